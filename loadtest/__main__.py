@@ -1,0 +1,7 @@
+"""`python -m loadtest ...` runs `pdmesh loadtest ...`."""
+
+import sys
+
+from loadtest.cli import main
+
+sys.exit(main(sys.argv[1:]))

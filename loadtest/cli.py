@@ -1,0 +1,315 @@
+"""`pdmesh loadtest`: long-prompt load generator with latency, goodput, rejection and
+integrity accounting, plots, and a side-by-side comparison of two servers.
+
+Exit status: 0 ok; 1 a correctness failure (an over-long prompt produced output, or an
+integrity mismatch); 2 bad arguments or target unreachable; 130 interrupted (partial
+results saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import math
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from loadtest import integrity, report
+from loadtest.client import ClientConfig, context_length_of, fetch_model_info, send_request
+from loadtest.metrics import compute_metrics, parse_goodput
+from loadtest.progress import ProgressBar
+from loadtest.runner import ARRIVALS, LoadShape, run_load
+from loadtest.workload import (LENGTH_DISTS, LengthDist, RequestSpec, WorkloadSpec,
+                               build_requests, build_warmup_requests)
+
+EXIT_OK, EXIT_CORRECTNESS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _add_length_args(parser: argparse.ArgumentParser, name: str, default: int) -> None:
+    parser.add_argument(f"--{name}-len-dist", choices=LENGTH_DISTS, default="fixed")
+    parser.add_argument(f"--{name}-len", type=int, default=default,
+                        help="fixed value / normal mean / uniform centre (tokens)")
+    parser.add_argument(f"--{name}-len-min", type=int, default=None)
+    parser.add_argument(f"--{name}-len-max", type=int, default=None)
+    parser.add_argument(f"--{name}-len-std", type=float, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdmesh loadtest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--api-key", default=None,
+                   help="default: $PDMESH_API_KEY, then $OPENAI_API_KEY")
+    p.add_argument("--api-keys", default=None, help="comma-separated keys, one per tenant")
+    p.add_argument("--tenants", type=int, default=None,
+                   help="number of tenants (default: number of --api-keys, else 1)")
+    p.add_argument("--model", default=None, help="default: the first model of GET /models")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true')
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--duration", type=float, default=600.0,
+                   help="seconds; no request is issued after it")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds in-flight requests get after issuing ends")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--output-dir", default="out/loadtest")
+    _add_length_args(p, "input", 1024)
+    _add_length_args(p, "output", 128)
+    p.add_argument("--shared-prefix-len", type=int, default=0)
+    p.add_argument("--shared-prefix-share", type=float, default=0.0,
+                   help="fraction of requests that start with the shared prefix")
+    p.add_argument("--over-capacity-fraction", type=float, default=0.0,
+                   help="fraction of prompts longer than --context-length (expect 400)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="target context in tokens (default: from GET /models)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s")
+    p.add_argument("--arrival", choices=ARRIVALS, default="poisson")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--warmup-requests", type=int, default=0)
+    p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 e2el:3000")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--integrity", action="store_true",
+                   help="run each prompt alone too (greedy) and compare every loaded reply")
+    p.add_argument("--integrity-phase", choices=("before", "after"), default="before")
+    p.add_argument("--label", default=None, help="name of the target in tables and plots")
+    p.add_argument("--compare-base-url", default=None,
+                   help="run the same workload against this server too and compare")
+    p.add_argument("--compare-api-keys", default=None, help="default: the same keys")
+    p.add_argument("--compare-model", default=None, help="default: the same model")
+    p.add_argument("--compare-label", default="colocated")
+    progress = p.add_mutually_exclusive_group()
+    progress.add_argument("--progress", action="store_true", default=None)
+    progress.add_argument("--no-progress", action="store_false", dest="progress")
+    return p
+
+
+def _length_dist(args: argparse.Namespace, name: str) -> LengthDist:
+    kind = getattr(args, f"{name}_len_dist")
+    mean = getattr(args, f"{name}_len")
+    lo, hi = getattr(args, f"{name}_len_min"), getattr(args, f"{name}_len_max")
+    std = getattr(args, f"{name}_len_std")
+    if kind == "uniform":
+        lo = lo if lo is not None else max(1, mean // 2)
+        hi = hi if hi is not None else max(lo, mean * 3 // 2)
+    lo = lo if lo is not None else 1
+    hi = hi if hi is not None else 1 << 30
+    std = std if std is not None else (mean / 4 if kind == "normal" else 0.0)
+    return LengthDist(kind, mean, lo, hi, std)
+
+
+def _keys(raw: str | None, fallback: str | None) -> tuple[str | None, ...]:
+    if raw:
+        return tuple(k.strip() for k in raw.split(",") if k.strip())
+    return (fallback,)
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    base_url: str
+    api_keys: tuple[str | None, ...]
+    model: str | None
+
+
+@dataclass
+class TargetRun:
+    result: dict
+    mismatches: list[dict] | None
+
+
+def _client_config(args: argparse.Namespace, target: Target, model: str) -> ClientConfig:
+    return ClientConfig(base_url=target.base_url, model=model, endpoint=args.endpoint,
+                        stream=not args.no_stream,
+                        temperature=0.0 if args.integrity else args.temperature,
+                        ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout)
+
+
+async def run_target(args: argparse.Namespace, target: Target, model: str,
+                     spec: WorkloadSpec, requests: list[RequestSpec], stop: asyncio.Event,
+                     show_progress: bool) -> TargetRun:
+    """Warm-up, optional integrity references, the measured load; figures of one server."""
+    shape = LoadShape(request_rate=args.request_rate, arrival=args.arrival,
+                      burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                      duration_s=args.duration, drain_timeout_s=args.drain_timeout,
+                      seed=args.seed)
+    cfg = _client_config(args, target, model)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        def send(req: RequestSpec):  # noqa: ANN202
+            key = target.api_keys[req.tenant % len(target.api_keys)]
+            return send_request(session, cfg, req, key)
+
+        if args.warmup_requests and not stop.is_set():
+            warm = build_warmup_requests(spec, args.warmup_requests)
+            bar = ProgressBar(len(warm), f"{target.label} warmup", show_progress)
+            await run_load(warm, send, LoadShape(max_concurrency=args.max_concurrency or 4,
+                                                 drain_timeout_s=args.drain_timeout),
+                           stop, bar.on_event)
+            bar.close()
+        references: dict = {}
+        if args.integrity and args.integrity_phase == "before":
+            references = await _references(requests, send, stop, target, show_progress)
+        bar = ProgressBar(len(requests), target.label, show_progress)
+        outcome = await run_load(requests, send, shape, stop, bar.on_event)
+        bar.close()
+        if args.integrity and args.integrity_phase == "after":
+            references = await _references(requests, send, stop, target, show_progress)
+
+    slos = parse_goodput(args.goodput)
+    result = {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai-chat" if args.endpoint == "chat" else "openai",
+        "label": target.label,
+        "base_url": target.base_url,
+        "model_id": model,
+        "tokenizer_id": "byte-level (1 token per byte, assumed)",
+        "num_prompts": len(requests),
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "burstiness": args.burstiness,
+        "arrival": args.arrival,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "stream": not args.no_stream,
+        "context_length": spec.context_length,
+        "num_tenants": spec.num_tenants,
+        "warmup_requests": args.warmup_requests,
+        "issued": outcome.issued,
+        "not_issued": outcome.not_issued,
+        "interrupted": outcome.interrupted,
+        "deadline_reached": outcome.deadline_reached,
+        **compute_metrics(outcome.results, outcome.duration_s, slos),
+    }
+    mismatches = None
+    if args.integrity:
+        summary, mismatches = integrity.check_integrity(requests, outcome.results, references)
+        result.update(summary)
+    return TargetRun(result, mismatches)
+
+
+async def _references(requests, send, stop, target, show_progress):  # noqa: ANN001, ANN202
+    distinct = {integrity.prompt_key(r) for r in requests if not r.expect_reject}
+    bar = ProgressBar(len(distinct), f"{target.label} integrity refs", show_progress)
+    refs = await integrity.run_references(requests, send, stop,
+                                          lambda res: bar.on_event("done", res))
+    bar.close()
+    return refs
+
+
+async def _discover(target: Target) -> dict:
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await fetch_model_info(session, target.base_url, target.api_keys[0])
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        print(f"loadtest: GET {target.base_url}/models failed: {exc}", file=sys.stderr)
+        return {}
+
+
+def _install_stop_handlers(stop: asyncio.Event) -> None:
+    """First Ctrl-C / SIGTERM: stop issuing, cancel in-flight, save partial results. The
+    handlers are then removed, so a second Ctrl-C interrupts hard."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        print(f"\nloadtest: {signal.Signals(signum).name}, stopping; saving partial results",
+              file=sys.stderr)
+        stop.set()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            return
+
+
+async def run(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    _install_stop_handlers(stop)
+    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
+    default_key = args.api_key or os.environ.get("PDMESH_API_KEY") or os.environ.get(
+        "OPENAI_API_KEY")
+    keys = _keys(args.api_keys, default_key)
+    primary = Target(args.label or ("mesh" if args.compare_base_url else "target"),
+                     args.base_url, keys, args.model)
+    info = await _discover(primary) if not (args.model and args.context_length) else {}
+    model = args.model or info.get("id")
+    if not model:
+        print("loadtest: no --model and none found at GET /models", file=sys.stderr)
+        return EXIT_USAGE
+    context_length = args.context_length or context_length_of(info)
+    spec = WorkloadSpec(
+        num_requests=args.num_requests, input_len=_length_dist(args, "input"),
+        output_len=_length_dist(args, "output"), seed=args.seed,
+        num_tenants=args.tenants or len(keys), shared_prefix_len=args.shared_prefix_len,
+        shared_prefix_share=args.shared_prefix_share,
+        over_capacity_fraction=args.over_capacity_fraction, context_length=context_length)
+    requests = build_requests(spec)
+    out_dir = Path(args.output_dir)
+    runs = {primary.label: await run_target(args, primary, model, spec, requests, stop,
+                                            show_progress)}
+    targets = [primary]
+    if args.compare_base_url and not stop.is_set():
+        other = Target(args.compare_label, args.compare_base_url,
+                       _keys(args.compare_api_keys, None) if args.compare_api_keys else keys,
+                       args.compare_model or model)
+        targets.append(other)
+        runs[other.label] = await run_target(args, other, other.model or model, spec,
+                                             requests, stop, show_progress)
+    return _save(args, out_dir, targets, runs, interrupted=stop.is_set())
+
+
+def _save(args: argparse.Namespace, out_dir: Path, targets: list[Target],
+          runs: dict[str, TargetRun], interrupted: bool) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed = False
+    for i, target in enumerate(targets):
+        run_ = runs[target.label]
+        suffix = "" if i == 0 else "-compare"
+        report.write_json(out_dir / f"results{suffix}.json", run_.result)
+        if run_.mismatches is not None:
+            report.write_json(out_dir / f"integrity_mismatches{suffix}.json", run_.mismatches)
+        print(report.format_summary(run_.result))
+        failed |= run_.result["missed_rejections"] > 0
+        failed |= run_.result.get("integrity_mismatches", 0) > 0
+    report.write_plots({label: r.result for label, r in runs.items()}, out_dir)
+    if len(targets) == 2:
+        a, b = targets
+        comp = report.comparison(a.label, runs[a.label].result, b.label, runs[b.label].result)
+        report.write_json(out_dir / "comparison.json", comp)
+        print(report.format_comparison(comp))
+    print(f"loadtest: results in {out_dir}/", file=sys.stderr)
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_CORRECTNESS if failed else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        parse_goodput(args.goodput)
+        if args.tenants is not None and args.tenants < 1:
+            raise ValueError("--tenants must be >= 1")
+        _length_dist(args, "input"), _length_dist(args, "output")
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        return asyncio.run(run(args))
+    except ValueError as exc:  # workload that cannot be built (e.g. no room in context)
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return EXIT_USAGE
