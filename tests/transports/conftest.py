@@ -1,0 +1,34 @@
+"""Fixtures of the transport conformance suite: every test runs against every transport."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pytest
+
+from transports import make_transport
+
+os.environ.setdefault("UCX_TLS", "tcp")
+HAVE_UCX = importlib.util.find_spec("ucxx") is not None or importlib.util.find_spec("ucp") is not None
+PROGRESS_S = 0.5
+
+
+@pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])
+def kind(request) -> str:
+    if request.param == "ucx" and not HAVE_UCX:
+        pytest.skip("ucxx is not importable")
+    return request.param
+
+
+@pytest.fixture
+async def pair(kind):
+    """(receiver, sender, receiver address) of one kind, closed afterwards."""
+    receiver = make_transport(kind, progress_timeout_s=PROGRESS_S)
+    sender = make_transport(kind, progress_timeout_s=PROGRESS_S)
+    address = await receiver.start()
+    await sender.start()
+    yield receiver, sender, address
+    await sender.close()
+    await receiver.close()
+
+

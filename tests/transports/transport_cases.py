@@ -1,0 +1,39 @@
+"""Helpers of the transport conformance suite (imported by name: tests/ is no package)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+
+from transports import ExpectedTransfer, TransferPlan
+
+
+class Pages:
+    """A little pool: `num_pages` pages of `page_bytes` random bytes."""
+
+    def __init__(self, num_pages: int, page_bytes: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.array = rng.integers(0, 256, (num_pages, page_bytes), dtype=np.uint8)
+        self.page_bytes = page_bytes
+
+    def views(self) -> list[memoryview]:
+        return [memoryview(self.array[i]) for i in range(len(self.array))]
+
+    def snapshot(self) -> np.ndarray:
+        return self.array.copy()
+
+
+def make_case(num_tokens=100, page_tokens=16, page_bytes=64 << 10, num_pages=None,
+              epoch=3, deadline_s=10.0, seed=0):
+    """Source pages, destination pages, and the matching expectation and plan."""
+    n = num_pages or -(-num_tokens // page_tokens) + 2  # a lease bigger than the prompt
+    src = Pages(n, page_bytes, seed)
+    dst = Pages(n, page_bytes, seed + 1)
+    page_ids = tuple(range(100, 100 + n))
+    rid = uuid.uuid4().hex
+    target = ExpectedTransfer(rid, epoch, page_ids, dst.views(), page_bytes, page_tokens,
+                              num_tokens, deadline_s)
+    plan = TransferPlan(rid, epoch, page_ids, num_tokens, page_tokens, page_bytes,
+                        first_token=7, deadline_s=deadline_s)
+    return src, dst, target, plan

@@ -1,0 +1,244 @@
+"""Receiver-side bookkeeping shared by every transport: live expectations, header checks
+against them, commit verification, fencing and poisoning. Transports do only the I/O:
+
+    slot, nack = table.check_data(header, conn_id)   # before any payload byte is read
+    # slot is None -> drain payload to scratch; else read into slot.dest(header) while
+    # slot.live (checked synchronously right before every write)
+    nack = table.data_done(slot, header)               # payload checksum
+    reply = table.check_commit(header, conn_id)        # ACK or NACK frame bytes
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import uuid
+
+from .base import POISON_BYTE, EventCallback, ExpectedTransfer, TransferResult, TransportStats
+from .errors import Reason, TransferError
+from .framing import (
+    FrameHeader, Kind, checksum, commit_digest, encode_header, reservation_bytes,
+    tokens_in_page,
+)
+
+_FINISHED_MEMORY = 4096  # remember this many finished/fenced reservation ids
+
+
+def nack_frame(reservation: bytes, epoch: int, reason: Reason, detail: str) -> bytes:
+    payload = detail.encode()[:4096]
+    return encode_header(Kind.NACK, reservation, epoch, aux=int(reason),
+                         payload_len=len(payload), payload_checksum=checksum(payload)) + payload
+
+
+class Slot:
+    """One live expectation. `live` is checked right before every write into its pages."""
+
+    def __init__(self, target: ExpectedTransfer, key: bytes, fut: asyncio.Future) -> None:
+        self.target = target
+        self.key = key
+        self.fut = fut
+        self.live = True
+        self.next_index = 0
+        self.next_seq = 0
+        self.page_checksums: list[int] = []
+        self.touched: set[int] = set()  # page indexes that may hold bytes of this transfer
+        self.conn_id: int | None = None
+        self.writing = 0  # writes in flight that cannot be stopped (UCX posted recv)
+        self.failure: TransferError | None = None  # decided but waiting for writes to end
+        self.finalized = asyncio.Event()
+        self.started = time.perf_counter()
+        self.deadline_handle: asyncio.TimerHandle | None = None
+        self.views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b)
+                      for b in target.page_buffers]
+
+    def dest(self, header: FrameHeader) -> memoryview:
+        self.touched.add(header.page_index)
+        return self.views[header.page_index]
+
+
+class ReceiveTable:
+    def __init__(self, stats: TransportStats, on_event: EventCallback | None) -> None:
+        self.stats = stats
+        self._on_event = on_event
+        self._slots: dict[bytes, Slot] = {}
+        self._finished: collections.OrderedDict[bytes, Reason] = collections.OrderedDict()
+        self.nack_sink = None  # callable(conn_id, frame_bytes): post a NACK on a connection
+
+    # -- registration ------------------------------------------------------------------
+    def expect(self, target: ExpectedTransfer) -> asyncio.Future[TransferResult]:
+        key = reservation_bytes(target.reservation_id)
+        if key in self._slots:
+            raise ValueError(f"reservation {target.reservation_id} is already expected")
+        if target.num_tokens <= 0 or target.page_tokens <= 0 or target.page_bytes <= 0:
+            raise ValueError("num_tokens, page_tokens and page_bytes must be positive")
+        if len(target.page_buffers) != len(target.page_ids):
+            raise ValueError("one page buffer per page id is required")
+        if target.num_pages > len(target.page_ids):
+            raise ValueError(f"{target.num_pages} pages needed, {len(target.page_ids)} leased")
+        loop = asyncio.get_running_loop()
+        slot = Slot(target, key, loop.create_future())
+        for view in slot.views:
+            if view.readonly or view.nbytes != target.page_bytes:
+                raise ValueError(f"page buffers must be writable and {target.page_bytes} bytes")
+        self._finished.pop(key, None)
+        self._slots[key] = slot
+        slot.deadline_handle = loop.call_later(
+            max(0.0, target.deadline_s), self.fail, slot, Reason.DEADLINE,
+            f"no verified commit within {target.deadline_s}s")
+        return slot.fut
+
+    def bound_to(self, conn_id: int) -> bool:
+        return any(s.conn_id == conn_id for s in self._slots.values())
+
+    # -- frame checks (before any payload byte touches destination memory) --------------
+    def check_data(self, h: FrameHeader, conn_id: int) -> tuple[Slot | None, bytes | None]:
+        slot = self._slots.get(h.reservation)
+        if slot is None:
+            reason = self._finished.get(h.reservation, Reason.UNKNOWN_RESERVATION)
+            return None, self._reject(h, reason, "no live expectation for this reservation")
+        t = slot.target
+        reason, detail = Reason.OK, ""
+        if h.epoch != t.epoch:
+            reason, detail = Reason.STALE_EPOCH, f"epoch {h.epoch} != live {t.epoch}"
+        elif slot.conn_id is not None and slot.conn_id != conn_id:
+            reason, detail = Reason.DUPLICATE, "frames for this reservation on two connections"
+        elif h.seq < slot.next_seq or h.page_index < slot.next_index:
+            reason, detail = Reason.DUPLICATE, f"page {h.page_index} seq {h.seq} already seen"
+        elif h.seq > slot.next_seq or h.page_index > slot.next_index:
+            reason = Reason.MISORDERED
+            detail = f"page {h.page_index} seq {h.seq}, expected {slot.next_index}/{slot.next_seq}"
+        elif h.page_index >= t.num_pages or h.dest_page_id != t.page_ids[h.page_index]:
+            reason, detail = Reason.OUT_OF_RANGE, f"page {h.page_index} -> id {h.dest_page_id}"
+        elif h.payload_len != t.page_bytes:
+            reason, detail = Reason.LENGTH_MISMATCH, f"payload {h.payload_len} != {t.page_bytes}"
+        elif h.token_count != tokens_in_page(h.page_index, t.num_tokens, t.page_tokens):
+            reason, detail = Reason.LENGTH_MISMATCH, f"page {h.page_index}: {h.token_count} tokens"
+        if reason is not Reason.OK:
+            self.fail(slot, reason, detail, notify=False)
+            return None, self._reject(h, reason, detail)
+        slot.conn_id = conn_id
+        slot.next_seq += 1
+        slot.next_index += 1
+        return slot, None
+
+    def data_done(self, slot: Slot, h: FrameHeader) -> bytes | None:
+        """The payload of a checked DATA frame landed in its page: verify its checksum."""
+        if not slot.live:
+            return None
+        self.stats.frames_received += 1
+        self.stats.bytes_received += h.payload_len
+        actual = checksum(slot.views[h.page_index])
+        if actual != h.payload_checksum:
+            detail = f"page {h.page_index} checksum {actual:#x} != {h.payload_checksum:#x}"
+            self.fail(slot, Reason.BAD_CHECKSUM, detail, notify=False)
+            return self._reject(h, Reason.BAD_CHECKSUM, detail)
+        slot.page_checksums.append(actual)
+        return None
+
+    def check_commit(self, h: FrameHeader, conn_id: int) -> bytes:
+        slot = self._slots.get(h.reservation)
+        if slot is None:
+            reason = self._finished.get(h.reservation, Reason.UNKNOWN_RESERVATION)
+            return self._reject(h, reason, "commit for no live expectation")
+        t = slot.target
+        reason, detail = Reason.OK, ""
+        if h.epoch != t.epoch:
+            reason, detail = Reason.STALE_EPOCH, f"epoch {h.epoch} != live {t.epoch}"
+        elif slot.conn_id != conn_id or h.seq != slot.next_seq:
+            reason, detail = Reason.MISORDERED, f"commit seq {h.seq}, expected {slot.next_seq}"
+        elif h.token_count != t.num_tokens:
+            reason, detail = Reason.LENGTH_MISMATCH, f"{h.token_count} tokens != {t.num_tokens}"
+        elif h.page_index != t.num_pages or len(slot.page_checksums) != t.num_pages:
+            reason = Reason.INCOMPLETE
+            detail = f"{len(slot.page_checksums)} of {t.num_pages} pages written"
+        elif h.payload_checksum != commit_digest(slot.page_checksums):
+            reason, detail = Reason.BAD_CHECKSUM, "commit digest mismatch"
+        if reason is not Reason.OK:
+            self.fail(slot, reason, detail, notify=False)
+            return self._reject(h, reason, detail)
+        self._finish(slot, Reason.OK)
+        written = t.page_ids[: t.num_pages]
+        result = TransferResult(t.reservation_id, t.epoch, t.num_tokens, h.aux, written,
+                                t.num_pages * t.page_bytes, time.perf_counter() - slot.started)
+        self.stats.transfers_committed += 1
+        if not slot.fut.done():
+            slot.fut.set_result(result)
+        self._event("committed", t.reservation_id, None)
+        return encode_header(Kind.ACK, h.reservation, h.epoch, token_count=t.num_tokens)
+
+    # -- failure paths -----------------------------------------------------------------
+    def fail(self, slot: Slot, reason: Reason, detail: str = "", notify: bool = True) -> None:
+        """Stop writing into the slot's pages at once; poison what it touched; fail its
+        future (deferred until unstoppable in-flight writes end). notify: NACK the peer."""
+        if not slot.live:
+            return
+        slot.live = False
+        slot.failure = TransferError(slot.target.reservation_id, reason, detail)
+        self._finish(slot, reason)
+        if notify and slot.conn_id is not None and self.nack_sink is not None:
+            self.nack_sink(slot.conn_id, nack_frame(slot.key, slot.target.epoch, reason, detail))
+        if slot.writing == 0:
+            self._finalize(slot)
+
+    def write_ended(self, slot: Slot) -> None:
+        """An unstoppable write (posted receive) into the slot's pages completed."""
+        slot.writing -= 1
+        if slot.writing == 0 and slot.failure is not None and not slot.finalized.is_set():
+            self._finalize(slot)
+
+    def _finalize(self, slot: Slot) -> None:
+        err = slot.failure
+        assert err is not None and slot.writing == 0
+        poisoned = []
+        for index in sorted(slot.touched):
+            slot.views[index][:] = bytes([POISON_BYTE]) * slot.target.page_bytes
+            poisoned.append(slot.target.page_ids[index])
+        err.pages_poisoned = tuple(poisoned)
+        self.stats.transfers_failed += 1
+        if not slot.fut.done():
+            slot.fut.set_exception(err)
+        slot.finalized.set()
+        self._event("failed", slot.target.reservation_id, err.reason)
+
+    def _finish(self, slot: Slot, reason: Reason) -> None:
+        slot.live = False
+        if slot.deadline_handle is not None:
+            slot.deadline_handle.cancel()
+        if self._slots.get(slot.key) is slot:
+            del self._slots[slot.key]
+        self._remember(slot.key, Reason.FENCED if reason is Reason.OK else reason)
+        if reason is Reason.OK:
+            slot.finalized.set()
+
+    def _remember(self, key: bytes, reason: Reason) -> None:
+        self._finished[key] = reason
+        self._finished.move_to_end(key)
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    def _reject(self, h: FrameHeader, reason: Reason, detail: str) -> bytes:
+        self.stats.frames_rejected[reason] += 1
+        self._event("rejected_frame", str(uuid.UUID(bytes=h.reservation)), reason)
+        return nack_frame(h.reservation, h.epoch, reason, detail)
+
+    async def fence(self, reservation_id: str) -> None:
+        key = reservation_bytes(reservation_id)
+        slot = self._slots.get(key)
+        if slot is None:
+            self._remember(key, Reason.FENCED)
+            return
+        self.fail(slot, Reason.FENCED, "fenced by the receiver")
+        await slot.finalized.wait()
+
+    def conn_lost(self, conn_id: int, reason: Reason, detail: str) -> None:
+        for slot in [s for s in self._slots.values() if s.conn_id == conn_id]:
+            self.fail(slot, reason, detail, notify=False)
+
+    def close(self) -> None:
+        for slot in list(self._slots.values()):
+            self.fail(slot, Reason.CLOSED, "transport closed", notify=False)
+
+    def _event(self, event: str, reservation_id: str, reason: Reason | None) -> None:
+        if self._on_event is not None:
+            self._on_event(event, reservation_id, reason)
