@@ -1,0 +1,46 @@
+"""A transport peer in its own process, for the kill / freeze tests.
+
+    python peer_process.py send KIND ADDRESS RID EPOCH NUM_TOKENS PAGE_TOKENS PAGE_BYTES
+        sends pages 0 and 1, then stalls (so the parent can kill or freeze it mid-transfer)
+    python peer_process.py recv KIND RID EPOCH NUM_TOKENS PAGE_TOKENS PAGE_BYTES
+        expects that transfer, prints its address, then waits
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import numpy as np
+
+from transports import ExpectedTransfer, FaultPlan, TransferPlan, make_transport
+
+
+async def main(argv: list[str]) -> None:
+    role, kind = argv[0], argv[1]
+    if role == "send":
+        address, rid = argv[2], argv[3]
+        epoch, num_tokens, page_tokens, page_bytes = map(int, argv[4:8])
+        n = -(-num_tokens // page_tokens)
+        pages = np.full((n, page_bytes), 0x5A, dtype=np.uint8)
+        transport = make_transport(kind, faults=FaultPlan(delay={2: 3600.0}))
+        await transport.start()
+        plan = TransferPlan(rid, epoch, tuple(range(100, 100 + n)), num_tokens, page_tokens,
+                            page_bytes, first_token=1, deadline_s=3600.0)
+        await transport.send(address, plan, [memoryview(p) for p in pages])
+    else:
+        rid = argv[2]
+        epoch, num_tokens, page_tokens, page_bytes = map(int, argv[3:7])
+        n = -(-num_tokens // page_tokens)
+        pages = np.zeros((n, page_bytes), dtype=np.uint8)
+        transport = make_transport(kind, progress_timeout_s=3600.0)
+        address = await transport.start()
+        transport.expect(ExpectedTransfer(rid, epoch, tuple(range(100, 100 + n)),
+                                          [memoryview(p) for p in pages], page_bytes,
+                                          page_tokens, num_tokens, 3600.0))
+        print(address, flush=True)
+        await asyncio.sleep(3600)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1:]))
