@@ -198,6 +198,8 @@ class ReceiveTable:
         self.stats.transfers_failed += 1
         if not slot.fut.done():
             slot.fut.set_exception(err)
+            if err.reason in (Reason.FENCED, Reason.CLOSED):
+                slot.fut.exception()  # the owner asked for it: no "never retrieved" noise
         slot.finalized.set()
         self._event("failed", slot.target.reservation_id, err.reason)
 
