@@ -1,0 +1,155 @@
+"""`pdmesh bench transport [--json] [--kinds tcp,ucx] [--repeat N]`: KV transport throughput.
+
+For payloads of 1, 16 and 64 MiB (1 MiB pages, checksums on) it measures each transport
+beside a raw baseline of the same bytes in the same run and the same process layout (one
+event loop sending and receiving over loopback): plain non-blocking socket
+`sock_sendall`/`sock_recv_into` for tcp, a bare ucxx `send`/`recv` for ucx. Prints GB/s
+and the ratio; with --json the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+
+import numpy as np
+
+SIZES_MIB = (1, 16, 64)
+PAGE_BYTES = 1 << 20
+PAGE_TOKENS = 16
+
+
+async def _transport_once(kind: str, payload: np.ndarray, dst: np.ndarray, pair) -> float:
+    from .base import ExpectedTransfer, TransferPlan
+
+    receiver, sender, address = pair
+    n = payload.shape[0]
+    rid = uuid.uuid4().hex
+    ids = tuple(range(n))
+    fut = receiver.expect(ExpectedTransfer(rid, 1, ids, [memoryview(p) for p in dst],
+                                           PAGE_BYTES, PAGE_TOKENS, n * PAGE_TOKENS, 60.0))
+    started = time.perf_counter()
+    await sender.send(address, TransferPlan(rid, 1, ids, n * PAGE_TOKENS, PAGE_TOKENS,
+                                            PAGE_BYTES, 0, 60.0), [memoryview(p) for p in payload])
+    await fut
+    return time.perf_counter() - started
+
+
+async def _raw_tcp_once(payload: np.ndarray, dst: np.ndarray) -> float:
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()  # loopback pair without the transport's framing
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    a.close(), b.close()
+    client = socket.socket()
+    client.setblocking(False)
+    await loop.sock_connect(client, listener.getsockname())
+    server, _ = await loop.sock_accept(listener)
+    server.setblocking(False)
+    view = memoryview(dst).cast("B")
+
+    async def recv_all() -> None:
+        pos = 0
+        while pos < view.nbytes:
+            pos += await loop.sock_recv_into(server, view[pos:])
+
+    started = time.perf_counter()
+    await asyncio.gather(loop.sock_sendall(client, memoryview(payload).cast("B")), recv_all())
+    seconds = time.perf_counter() - started
+    for s in (client, server, listener):
+        s.close()
+    return seconds
+
+
+async def _raw_ucx_once(payload: np.ndarray, dst: np.ndarray, ucx) -> float:
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def on_connect(ep) -> None:
+        await ep.recv(dst.reshape(-1))
+        done.set_result(None)
+        await ep.close()
+
+    listener = ucx.create_listener(on_connect, port=0)
+    ep = await ucx.create_endpoint("127.0.0.1", listener.port)
+    started = time.perf_counter()
+    await ep.send(payload.reshape(-1))
+    await done
+    seconds = time.perf_counter() - started
+    await ep.close()
+    listener.close()
+    return seconds
+
+
+async def _run(kinds: list[str], repeat: int, budget_s: float) -> dict:
+    from . import make_transport
+
+    t_end = time.monotonic() + budget_s
+    results = []
+    for kind in kinds:
+        ucx = None
+        if kind == "ucx":
+            from .ucx import ucx
+        receiver, sender = make_transport(kind), make_transport(kind)
+        pair = (receiver, sender, await receiver.start())
+        await sender.start()
+        try:
+            for mib in SIZES_MIB:
+                n = mib * (1 << 20) // PAGE_BYTES
+                payload = np.random.default_rng(mib).integers(0, 256, (n, PAGE_BYTES), np.uint8)
+                dst = np.zeros_like(payload)
+                best_t = best_raw = float("inf")
+                await _transport_once(kind, payload, dst, pair)  # warm-up (connect, pages)
+                for _ in range(repeat):
+                    if time.monotonic() > t_end:
+                        break
+                    best_t = min(best_t, await _transport_once(kind, payload, dst, pair))
+                    raw = (_raw_ucx_once(payload, dst, ucx) if kind == "ucx"
+                           else _raw_tcp_once(payload, dst))
+                    best_raw = min(best_raw, await raw)
+                assert (dst == payload).all()
+                nbytes = payload.nbytes
+                row = {"transport": kind, "mib": mib, "transport_gbps": nbytes / best_t / 1e9,
+                       "raw_gbps": nbytes / best_raw / 1e9}
+                row["ratio"] = row["transport_gbps"] / row["raw_gbps"]
+                results.append(row)
+        finally:
+            await sender.close()
+            await receiver.close()
+    return {"bench": "transport", "page_bytes": PAGE_BYTES, "checksum": "xxh3_64",
+            "ucx_tls": os.environ.get("UCX_TLS", ""),
+            "ucxpy_progress_mode": os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
+            "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdmesh bench transport", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="last stdout line is JSON")
+    parser.add_argument("--kinds", default="tcp,ucx")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=45.0)
+    args = parser.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if "ucx" in kinds:
+        from .ucx import ucx_import_error
+
+        if ucx_import_error is not None:
+            print(f"skipping ucx: {ucx_import_error}", file=sys.stderr)
+            kinds.remove("ucx")
+    report = asyncio.run(_run(kinds, args.repeat, args.budget_s))
+    print(f"{'transport':>9} {'MiB':>4} {'GB/s':>7} {'raw GB/s':>9} {'ratio':>6}")
+    for row in report["results"]:
+        print(f"{row['transport']:>9} {row['mib']:>4} {row['transport_gbps']:7.2f} "
+              f"{row['raw_gbps']:9.2f} {row['ratio']:6.2f}")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
