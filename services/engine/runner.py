@@ -1,0 +1,168 @@
+"""The per-worker compute API: paged prefill and continuously batched paged decode.
+
+Every attention read goes through the pool's lease checks first (invariant I2): a prefill
+chunk checks that the lease may write its positions and read everything before them; a
+decode step checks, for every request in the batch, that it appends at its written length
+and may read all its earlier tokens. Only then does the model touch the pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore import KVPool, Lease, LeaseAccessError, PoolSpec, ScrubPolicy
+from services.engine.model import DECODE_TILE, LlamaModel, prefill_windows
+
+if TYPE_CHECKING:
+    from services.engine.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class DecodeSlot:
+    """One request's place in a decode step: append `token_id` at `position`."""
+
+    lease: Lease
+    token_id: int
+    position: int
+
+
+class PagedKV:
+    """KVView over one lease's pages. Access checks happen in Engine before the forward."""
+
+    def __init__(self, pool: KVPool, lease: Lease) -> None:
+        self.tensor = pool.tensor
+        self.page_size = pool.spec.page_size
+        self.lease = lease
+        self.page_ids = lease.page_ids
+        self.page_index = lease.page_index
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        size, pos, end, row = self.page_size, start, start + k.shape[0], 0
+        while pos < end:
+            page, offset = divmod(pos, size)
+            count = min(size - offset, end - pos)
+            block = self.tensor[self.page_ids[page], layer]
+            block[0, offset:offset + count] = k[row:row + count]
+            block[1, offset:offset + count] = v[row:row + count]
+            pos, row = pos + count, row + count
+
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_pages = -(-length // self.page_size)
+        index = self.page_index[:num_pages]
+        keys = self.tensor[:, layer, 0].index_select(0, index)
+        values = self.tensor[:, layer, 1].index_select(0, index)
+        shape = (-1, *keys.shape[2:])
+        return keys.view(shape)[:length], values.view(shape)[:length]
+
+
+def pool_spec_for(
+    model: LoadedModel, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32
+) -> PoolSpec:
+    cfg = model.config
+    return PoolSpec(num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                    page_size=page_size, num_pages=num_pages, dtype=dtype)
+
+
+def make_pool(
+    model: LoadedModel,
+    num_pages: int,
+    page_size: int = 16,
+    scrub: ScrubPolicy | str = ScrubPolicy.NONE,
+    device: str = "cpu",
+) -> KVPool:
+    """A KVPool whose geometry matches `model` (fp32: the engine computes in fp32)."""
+    return KVPool(pool_spec_for(model, num_pages, page_size), scrub=scrub, device=device)
+
+
+class Engine:
+    """Synchronous torch engine over one KVPool. Services call it from a worker thread."""
+
+    def __init__(self, model: LoadedModel, pool: KVPool) -> None:
+        cfg, spec = model.config, pool.spec
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        ):
+            raise ValueError(f"pool geometry {spec} does not match model {cfg}")
+        if spec.dtype != torch.float32:
+            raise ValueError("the engine computes in fp32; build the pool with float32")
+        self.loaded = model
+        self.config = cfg
+        self.pool = pool
+        self.model = LlamaModel(cfg, model.weights, device=str(pool.device))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.pool.spec.bytes_per_token
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_context
+
+    def pool_spec_for(self, num_pages: int, page_size: int) -> PoolSpec:
+        return pool_spec_for(self.loaded, num_pages, page_size)
+
+    @torch.inference_mode()
+    def prefill(self, lease: Lease, token_ids: list[int], start_position: int = 0) -> torch.Tensor:
+        """Write K/V of `token_ids` at positions start_position.. into the lease's pages
+        (chunked at fixed PREFILL_CHUNK boundaries) and return the last position's logits."""
+        num_tokens = len(token_ids)
+        if num_tokens == 0:
+            raise ValueError("prefill needs at least one token")
+        if start_position + num_tokens > self.config.max_context:
+            raise ValueError(f"{start_position + num_tokens} tokens exceed max_context "
+                             f"{self.config.max_context}")
+        self._check_append(lease, start_position)
+        self.pool.check_writable(lease, start_position, num_tokens)
+        kv = PagedKV(self.pool, lease)
+        hidden = None
+        for chunk_start, chunk_len in prefill_windows(start_position, num_tokens):
+            # I2: this chunk attends over [0, chunk_start + chunk_len); the earlier part must
+            # be this lease's own, written, in this epoch.
+            self.pool.check_readable(lease, chunk_start)
+            self.pool.check_writable(lease, chunk_start, chunk_len)
+            piece = token_ids[chunk_start - start_position:chunk_start - start_position + chunk_len]
+            hidden = self.model.prefill_chunk(kv, piece, chunk_start)
+            self.pool.mark_written_range(lease, chunk_start, chunk_len)
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def decode_step(self, batch: list[DecodeSlot]) -> torch.Tensor:
+        """Append each slot's token at its position and return next logits [B, vocab].
+
+        Each request attends only to its own pages; the batch runs in fixed-shape tiles of
+        DECODE_TILE rows so results do not depend on the batch (see model.py)."""
+        if not batch:
+            raise ValueError("empty decode batch")
+        seen: set[str] = set()
+        for slot in batch:
+            if slot.lease.lease_id in seen:
+                raise ValueError(f"lease {slot.lease.lease_id} twice in one decode batch")
+            seen.add(slot.lease.lease_id)
+            if slot.position >= self.config.max_context:
+                raise ValueError(f"position {slot.position} >= max_context")
+            self._check_append(slot.lease, slot.position)
+            self.pool.check_writable(slot.lease, slot.position, 1)
+            self.pool.check_readable(slot.lease, slot.position)
+        outputs = []
+        for first in range(0, len(batch), DECODE_TILE):
+            tile = batch[first:first + DECODE_TILE]
+            outputs.append(self.model.decode_tile(
+                [PagedKV(self.pool, s.lease) for s in tile],
+                [s.token_id for s in tile],
+                [s.position for s in tile],
+            ))
+        for slot in batch:
+            page_index, offset = slot.lease.locate(slot.position)
+            self.pool.mark_written(slot.lease, page_index, offset + 1)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _check_append(self, lease: Lease, position: int) -> None:
+        written = self.pool.written_prefix(lease)
+        if position != written:
+            raise LeaseAccessError(
+                lease.lease_id, None,
+                f"append at position {position} but the lease has {written} tokens written",
+            )

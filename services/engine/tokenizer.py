@@ -1,0 +1,112 @@
+"""Tokenizers: the Protocol the services use, a byte-level one for `tiny`, and a wrapper
+around a `tokenizers.Tokenizer` (built from GGUF metadata or a tokenizer.json)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from tokenizers import Tokenizer as HFTokenizerCore
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> str: ...
+
+
+def chatml(messages: list[dict]) -> str:
+    """ChatML with the assistant turn opened (SmolLM2 and most instruct checkpoints)."""
+    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer of the `tiny` model: ids 0..255 are bytes, 256 is BOS, 257 EOS.
+
+    Chat template (plain text, so it round-trips through encode/decode):
+        for each message: "<|{role}|>\\n{content}\\n", then "<|assistant|>\\n".
+    """
+
+    BOS = 256
+    EOS = 257
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({self.EOS})
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+        return "".join(parts) + "<|assistant|>\n"
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` plus the eos ids and the chat template of its checkpoint.
+
+    `chat_template` is the checkpoint's Jinja template; it is rendered with jinja2's
+    sandbox when available, else ChatML is used.
+    """
+
+    def __init__(
+        self,
+        core: HFTokenizerCore,
+        eos_token_ids: Iterable[int],
+        chat_template: str | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+    ) -> None:
+        self.core = core
+        self._eos = frozenset(int(i) for i in eos_token_ids)
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        return self.core.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.core.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.chat_template:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                template = env.from_string(self.chat_template)
+                return template.render(
+                    messages=messages,
+                    add_generation_prompt=True,
+                    bos_token=self.bos_token,
+                    eos_token=self.eos_token,
+                )
+            except Exception:  # noqa: BLE001 - any template problem falls back to ChatML
+                pass
+        return chatml(messages)

@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+import pytest
+
+from services.engine.models import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return load_model("tiny")

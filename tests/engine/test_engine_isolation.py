@@ -1,0 +1,151 @@
+"""Batch invariance, disaggregated == reference, and lease checks on the engine path (I2, I4)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from engine_helpers import batched_generate, prompt
+
+from kvstore import KVPool, LeaseAccessError, ScrubPolicy
+from services.engine.reference import ReferenceEngine
+from services.engine.runner import DecodeSlot, Engine, make_pool
+from services.engine.sampling import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=10)
+# Mixed lengths, including ones that cross page (16) and prefill-chunk (512) boundaries.
+LENGTHS = [37, 1, 15, 16, 17, 100, 513, 64, 250, 3, 700, 31, 48, 9, 129, 300]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return [prompt(seed, length) for seed, length in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny, prompts) -> list[list[int]]:
+    ref = ReferenceEngine(tiny)
+    return [ref.generate(p, PARAMS) for p in prompts]
+
+
+def test_outputs_depend_on_the_prompt(expected) -> None:
+    # Otherwise equality below would prove nothing.
+    assert len({tuple(e) for e in expected}) == len(expected)
+
+
+def test_alone_equals_batched_with_15_others(tiny, prompts, expected) -> None:
+    pool = make_pool(tiny, num_pages=400, page_size=16)
+    engine = Engine(tiny, pool)
+    alone = batched_generate(engine, prompts[:1], PARAMS)[0]
+    together = batched_generate(engine, prompts, PARAMS)
+    assert alone == together[0] == expected[0]
+    assert together == expected
+    pool.check_integrity()
+    assert pool.num_free_pages == pool.num_pages  # nothing leaked
+
+
+def test_disaggregated_equals_reference(tiny, prompts, expected) -> None:
+    """Prefill on pool A, copy prompt pages byte for byte into pool B, decode there."""
+    prefill_pool = make_pool(tiny, num_pages=200, page_size=16, scrub=ScrubPolicy.POISON)
+    decode_pool = make_pool(tiny, num_pages=400, page_size=16, scrub=ScrubPolicy.POISON)
+    prefill, decode = Engine(tiny, prefill_pool), Engine(tiny, decode_pool)
+    # Earlier tenants leave junk in decode's pages, and shift its page numbering.
+    junk = [decode_pool.allocate("junk", 97)]
+    decode_pool.tensor.normal_()
+    leases, first_tokens = [], []
+    for i, p in enumerate(prompts):
+        src = prefill_pool.allocate(f"p{i}", len(p))
+        first_tokens.append(int(torch.argmax(prefill.prefill(src, p))))
+        dst = decode_pool.allocate(f"d{i}", len(p) + PARAMS.max_tokens)
+        assert dst.page_ids != src.page_ids or i == 0
+        for index in range(src.num_pages):
+            decode_pool.page_buffer(dst, index)[:] = prefill_pool.page_buffer(src, index)
+            decode_pool.mark_written(dst, index, src.page_written[index])
+        prefill_pool.release(src, "transferred")
+        leases.append(dst)
+    outputs = batched_generate(decode, prompts, PARAMS, leases=leases, first_tokens=first_tokens)
+    assert outputs == expected
+    for lease in junk:
+        decode_pool.release(lease, "done")
+    for pool in (prefill_pool, decode_pool):
+        pool.check_integrity()
+        assert pool.num_free_pages == pool.num_pages
+
+
+def _prefilled(engine: Engine, pool: KVPool, request_id: str, tokens: list[int]):
+    lease = pool.allocate(request_id, len(tokens) + 4)
+    token = int(torch.argmax(engine.prefill(lease, tokens)))
+    return lease, token
+
+
+def test_decode_through_stale_lease_raises(tiny) -> None:
+    pool = make_pool(tiny, num_pages=16, page_size=16)
+    engine = Engine(tiny, pool)
+    victim_prompt = prompt(1, 40)
+    victim, token = _prefilled(engine, pool, "tenant-a", victim_prompt)
+    pool.release(victim, "finished")
+    other, _ = _prefilled(engine, pool, "tenant-b", prompt(2, 40))
+    assert other.page_ids[:3] == victim.page_ids[:3]  # LIFO reuse: same physical pages
+    with pytest.raises(LeaseAccessError):
+        engine.decode_step([DecodeSlot(victim, token, len(victim_prompt))])
+    victim._live = True  # a control-path bug judges the dead request live
+    with pytest.raises(LeaseAccessError):
+        engine.decode_step([DecodeSlot(victim, token, len(victim_prompt))])
+    with pytest.raises(LeaseAccessError):
+        engine.prefill(victim, victim_prompt)
+    victim._live = False
+    pool.release(other, "finished")
+    pool.check_integrity()
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_decode_through_foreign_lease_raises(tiny) -> None:
+    pool = make_pool(tiny, num_pages=16, page_size=16)
+    engine = Engine(tiny, pool)
+    a, _ = _prefilled(engine, pool, "tenant-a", prompt(1, 40))
+    b, token = _prefilled(engine, pool, "tenant-b", prompt(2, 40))
+    c, token_c = _prefilled(engine, pool, "tenant-c", prompt(3, 40))
+    forged = dataclasses.replace(b, page_ids=a.page_ids)  # b's identity, a's pages
+    with pytest.raises(LeaseAccessError) as info:
+        engine.decode_step([DecodeSlot(c, token_c, 40), DecodeSlot(forged, token, 40)])
+    assert info.value.page_id in a.page_ids
+    assert pool.written_prefix(c) == 40  # the refused step wrote nothing for anyone
+    for lease in (a, b, c):
+        pool.release(lease, "done")
+    pool.check_integrity()
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_decode_over_unwritten_prompt_is_refused(tiny) -> None:
+    """The incident: pages reserved for a long prompt, only one token written."""
+    pool = make_pool(tiny, num_pages=16, page_size=16)
+    engine = Engine(tiny, pool)
+    lease = pool.allocate("stub", 100)
+    token = int(torch.argmax(engine.prefill(lease, [7])))
+    with pytest.raises(LeaseAccessError):
+        engine.decode_step([DecodeSlot(lease, token, 99)])
+    pool.mark_written(lease, 2, 16)  # written pages past a hole do not count
+    with pytest.raises(LeaseAccessError):
+        pool.check_readable(lease, 40)
+    with pytest.raises(LeaseAccessError):
+        engine.prefill(lease, [1, 2, 3])  # prefill must append at the written length
+    pool.release(lease, "aborted")
+    pool.check_integrity()
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_engine_rejects_mismatched_pool(tiny) -> None:
+    from kvstore import PoolSpec
+
+    with pytest.raises(ValueError):
+        Engine(tiny, KVPool(PoolSpec(num_layers=3, num_kv_heads=2, head_dim=32, page_size=16,
+                                     num_pages=4)))
+    pool = make_pool(tiny, num_pages=4, page_size=16)
+    engine = Engine(tiny, pool)
+    assert engine.kv_bytes_per_token == 4 * 2 * 2 * 32 * 4
+    lease = pool.allocate("r", 10)
+    with pytest.raises(LeaseAccessError):
+        engine.prefill(lease, list(range(17)))  # more than the lease holds
+    pool.release(lease, "done")
+    assert pool.num_free_pages == pool.num_pages
