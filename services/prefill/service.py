@@ -1,0 +1,208 @@
+"""Prefill service: verify the ticket, re-check capacity, compute the prompt's KV, send it.
+
+Per request: ADMITTED (dispatch received, ticket verified) -> PREFILLING (lease held in this
+worker's pool, prompt running) -> TRANSFERRED (decode acked the verified commit), or
+ABORTED / FAILED. Whenever prefill gives up on a request it tells decode at once with a
+`Release` so decode frees its lease within a second (I6): no cleanup path waits out a timeout.
+Prefill runs one prompt at a time in FIFO order; its own lease is freed in `_run`'s finally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+from prometheus_client import Counter
+
+from kvstore import PoolExhaustedError
+from services import messages as m
+from services.config import ServiceConfig
+from services.engine.sampling import Sampler, SamplingParams
+from services.errors import TicketError
+from services.lifecycle import RequestState, advance
+from services.runtime import counter_total
+from services.worker import WorkerBase, run_worker
+from transports import TransferError, TransferPlan
+
+log = logging.getLogger("pdmesh.prefill")
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    dispatch: m.PrefillDispatch
+    state: RequestState = RequestState.ADMITTED
+
+    @property
+    def request_id(self) -> str:
+        return self.dispatch.ticket.request_id
+
+
+class PrefillService(WorkerBase):
+    role = m.Role.PREFILL
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        super().__init__(cfg)
+        self.queue: collections.deque[PrefillJob] = collections.deque()
+        self.jobs: dict[str, PrefillJob] = {}
+        self._work = asyncio.Event()
+        self._freed = asyncio.Event()
+        r = self.rt.registry
+        self.dispatches = Counter("pdmesh_prefill_dispatches_total", "Dispatches by outcome",
+                                  ["outcome"], registry=r)
+        self.bootstraps = Counter("pdmesh_bootstraps_total",
+                                  "Prefills started (lease taken, prompt run)", registry=r)
+        self.transfers = Counter("pdmesh_transfers_sent_total", "KV transfers by outcome",
+                                 ["outcome"], registry=r)
+        self.prompt_tokens = Counter("pdmesh_prefill_tokens_total", "Prompt tokens prefilled",
+                                     registry=r)
+
+    async def subscribe(self) -> None:
+        wid = self.cfg.worker_id
+        await self.rt.subscribe(m.dispatch_subject(wid), m.PrefillDispatch, self._on_dispatch,
+                                concurrent=False)
+        await self.rt.subscribe(m.ABORT_SUBJECT, m.Abort, self._on_abort, concurrent=False)
+        self.rt.spawn(self._loop(), "prefill-loop")
+
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    def active_requests(self) -> int:
+        return len(self.jobs)
+
+    def counters(self) -> dict[str, float]:
+        return {"dispatches": counter_total(self.dispatches),
+                "bootstraps": counter_total(self.bootstraps),
+                "transfers": counter_total(self.transfers),
+                "prompt_tokens": counter_total(self.prompt_tokens)}
+
+    # -- intake -------------------------------------------------------------------------
+    async def _on_dispatch(self, d: m.PrefillDispatch, _msg: Msg) -> None:
+        rid = d.ticket.request_id
+        self.seen_requests.append(rid)
+        try:
+            self.verifier.verify(d.ticket, prompt_len=len(d.prompt_ids))
+        except TicketError as exc:
+            self.ticket_refusals.labels(exc.reason.split(" ")[0]).inc()
+            await self._give_up(d, m.FailCode.TICKET_INVALID, str(exc), "ticket_refused")
+            return
+        problem = self._recheck(d)
+        if problem:
+            await self._give_up(d, m.FailCode.PREFILL_REJECTED, problem, "rejected")
+            return
+        job = PrefillJob(d)
+        self.jobs[rid] = job
+        self.queue.append(job)
+        self.dispatches.labels("queued").inc()
+        self._work.set()
+
+    def _recheck(self, d: m.PrefillDispatch) -> str:
+        """Prefill's own gate, independent of admission (defence in depth)."""
+        n = len(d.prompt_ids)
+        vocab = self.model.tokenizer.vocab_size
+        if n == 0:
+            return "empty prompt"
+        if n > self.pool.capacity_tokens or n > self.served_context:
+            return (f"prompt of {n} tokens exceeds this prefill worker "
+                    f"(pool {self.pool.capacity_tokens}, context {self.served_context})")
+        if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:
+            return f"token id out of range 0..{vocab - 1}"
+        if len(d.page_ids) != -(-n // d.page_tokens) or d.page_tokens != self.pool.spec.page_size:
+            return "reservation does not match the prompt's pages"
+        return ""
+
+    async def _give_up(self, d: m.PrefillDispatch, code: m.FailCode, detail: str,
+                       outcome: str) -> None:
+        """Tell decode to free its reservation now and the client why (I6)."""
+        self.dispatches.labels(outcome).inc()
+        log.warning("prefill gives up on %s: %s", d.ticket.request_id, detail)
+        await self.rt.publish(m.release_subject(d.ticket.decode_worker), m.Release(
+            request_id=d.ticket.request_id, reservation_id=d.reservation_id, code=code,
+            detail=detail))
+        await self.rt.publish(m.tokens_subject(d.ticket.request_id), m.TokenEvent(
+            request_id=d.ticket.request_id, seq=0, fail_code=code, detail=detail))
+
+    async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
+        job = self.jobs.get(ab.request_id)
+        if job is not None and not job.state.is_terminal:
+            job.state = RequestState.ABORTED  # the loop skips or stops it at the next await
+
+    # -- work ---------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            if not self.queue:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            job = self.queue.popleft()
+            try:
+                await self._run(job)
+            finally:
+                self.jobs.pop(job.request_id, None)
+
+    async def _run(self, job: PrefillJob) -> None:
+        d = job.dispatch
+        if job.state.is_terminal:  # aborted while queued: decode heard the abort too
+            self.dispatches.labels("aborted").inc()
+            return
+        lease = None
+        try:
+            lease = await self._allocate(job)
+            job.state = advance(job.request_id, job.state, RequestState.PREFILLING)
+            self.bootstraps.inc()
+            logits = await self.compute(self.engine.prefill, lease, d.prompt_ids)
+            self.prompt_tokens.inc(len(d.prompt_ids))
+            if job.state.is_terminal:
+                return
+            sampler = Sampler(SamplingParams(temperature=d.sampling.temperature,
+                                             top_p=d.sampling.top_p, seed=d.sampling.seed,
+                                             max_tokens=d.ticket.max_tokens))
+            first = sampler.sample(logits)
+            n_pages = len(d.page_ids)
+            plan = TransferPlan(reservation_id=d.reservation_id, epoch=d.epoch,
+                                dest_page_ids=tuple(d.page_ids), num_tokens=len(d.prompt_ids),
+                                page_tokens=d.page_tokens, page_bytes=d.page_bytes,
+                                first_token=first, deadline_s=self.cfg.transfer_deadline_s)
+            buffers = [self.pool.page_buffer(lease, i) for i in range(n_pages)]
+            ack = await self.transport.send(d.data_address, plan, buffers)
+            self.kv_bytes.labels("out").inc(ack.bytes)
+            self.transfers.labels("ok").inc()
+            job.state = advance(job.request_id, job.state, RequestState.TRANSFERRED)
+        except TransferError as exc:
+            self.transfers.labels(exc.reason.name.lower()).inc()
+            job.state = RequestState.FAILED
+            await self._give_up(d, m.FailCode.TRANSFER_FAILED, f"KV transfer failed: {exc}",
+                                "transfer_failed")
+        except PoolExhaustedError as exc:
+            job.state = RequestState.FAILED
+            await self._give_up(d, m.FailCode.PREFILL_REJECTED, str(exc), "pool_full")
+        except Exception as exc:  # noqa: BLE001 - fail this request, keep the service
+            log.exception("prefill of %s failed", job.request_id)
+            job.state = RequestState.FAILED
+            await self._give_up(d, m.FailCode.INTERNAL, f"prefill failed: {exc}", "error")
+        finally:
+            if lease is not None:
+                self.pool.release(lease, job.state.name.lower())
+                self._freed.set()
+
+    async def _allocate(self, job: PrefillJob):  # noqa: ANN202 - kvstore.Lease
+        """Lease pages for the prompt, waiting (bounded) while other prompts hold them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.transfer_deadline_s
+        while True:
+            try:
+                return self.pool.allocate(job.request_id, len(job.dispatch.prompt_ids))
+            except PoolExhaustedError:
+                if loop.time() >= deadline or job.state.is_terminal:
+                    raise
+                self._freed.clear()
+                try:
+                    await asyncio.wait_for(self._freed.wait(), deadline - loop.time())
+                except TimeoutError:
+                    pass
+
+
+async def serve(cfg: ServiceConfig) -> None:
+    await run_worker(PrefillService(cfg))

@@ -1,0 +1,56 @@
+"""The one definition of which processes make a mesh.
+
+`pdmesh up` launches exactly these, and the lab compose file is checked against them (parity
+test), so the local run exercises the same commands and environment compose runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SERVICES = ("admission", "prefill", "decode", "gateway")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One process of the mesh."""
+
+    name: str  # unique process name: admission, prefill-0, decode-1, gateway
+    role: str  # admission | prefill | decode | gateway
+    command: tuple[str, ...]  # argv after the executable: ("serve", "<role>")
+    env: dict[str, str] = field(default_factory=dict)  # PDMESH_* settings for this process
+    http_port: int = 0  # where /ready answers
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """The full command line as compose runs it."""
+        return ("pdmesh", *self.command)
+
+
+def mesh_services(*, prefill: int = 1, decode: int = 1,
+                  port_for: Callable[[str, int], int] | None = None,
+                  gateway_port: int = 8000) -> list[ServiceSpec]:
+    """Admission, `prefill` prefill workers, `decode` decode workers and the gateway.
+
+    `port_for(role, index)` gives each worker's HTTP port; by default the role's fixed
+    port (one worker per role per host, as in compose with its own network namespace).
+    Startup order matters: admission first (it must hear the workers' first heartbeats),
+    the gateway last.
+    """
+    defaults = {"admission": 8101, "prefill": 8102, "decode": 8103}
+
+    def port(role: str, i: int) -> int:
+        return port_for(role, i) if port_for else defaults[role]
+
+    specs = [ServiceSpec("admission", "admission", ("serve", "admission"),
+                         {"PDMESH_HTTP_PORT": str(port("admission", 0))},
+                         port("admission", 0))]
+    for role, count in (("prefill", prefill), ("decode", decode)):
+        for i in range(count):
+            name = f"{role}-{i}" if count > 1 else role
+            specs.append(ServiceSpec(name, role, ("serve", role),
+                                     {"PDMESH_HTTP_PORT": str(port(role, i))}, port(role, i)))
+    specs.append(ServiceSpec("gateway", "gateway", ("serve", "gateway"),
+                             {"PDMESH_GATEWAY_PORT": str(gateway_port)}, gateway_port))
+    return specs

@@ -1,0 +1,170 @@
+"""What prefill and decode workers share: model, KV pool, transport, capacity audit, heartbeat.
+
+The capacity audit (invariant I5) runs once at start, on the real pool: when the configured
+context is larger than the pool can hold, the worker either refuses to start
+(`--on-capacity-mismatch fail`) or clamps the context it serves and says so loudly (log at
+ERROR, `pdmesh_capacity_mismatch` = 1, `capacity_mismatch` in every heartbeat). Heartbeats
+carry the pool's live figures, never configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from prometheus_client import Counter, Gauge
+
+from kvstore import KVPool, ScrubPolicy
+from services import messages as m
+from services.config import ServiceConfig
+from services.engine.models import load_model
+from services.engine.runner import Engine, make_pool
+from services.errors import StartupError
+from services.runtime import ServiceRuntime, counter_total
+from services.tickets import TicketVerifier
+from transports import KVTransport, make_transport
+
+log = logging.getLogger("pdmesh.worker")
+T = TypeVar("T")
+
+
+def audit_capacity(cfg: ServiceConfig, model_max_context: int, pool_capacity_tokens: int,
+                   role: str) -> tuple[int, int, bool]:
+    """Return (configured, served, mismatch); raise StartupError under the `fail` policy."""
+    configured = cfg.max_context or model_max_context
+    if configured <= pool_capacity_tokens:
+        return configured, configured, False
+    msg = (f"configured context {configured} tokens exceeds the real KV pool of this "
+           f"{role} worker ({pool_capacity_tokens} tokens)")
+    if cfg.on_capacity_mismatch == "fail":
+        raise StartupError(role, "capacity audit", msg + " (--on-capacity-mismatch fail)")
+    log.error("CAPACITY MISMATCH: %s; serving a clamped context of %d tokens "
+              "(--on-capacity-mismatch clamp). Admission uses the live figure.",
+              msg, pool_capacity_tokens)
+    return configured, pool_capacity_tokens, True
+
+
+class WorkerBase:
+    """Prefill and decode services extend this; it owns engine, pool and transport."""
+
+    role: m.Role
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.rt = ServiceRuntime(cfg)
+        self.model = load_model(cfg.model)
+        self.pool: KVPool = make_pool(self.model, num_pages=cfg.kv_pages,
+                                      page_size=cfg.page_tokens,
+                                      scrub=ScrubPolicy[cfg.scrub.upper()])
+        self.engine = Engine(self.model, self.pool)
+        self.configured_context, self.served_context, self.mismatch = audit_capacity(
+            cfg, self.model.config.max_context, self.pool.capacity_tokens, cfg.role)
+        self.transport: KVTransport = make_transport(cfg.transport, host=cfg.data_host,
+                                                     port=cfg.data_port)
+        self.data_address = ""
+        self.verifier = TicketVerifier(cfg.mesh_secret, cfg.worker_id, self.role)
+        # One thread runs the engine so torch work never blocks the event loop and engine
+        # calls never overlap (the pool is mutated only on the event loop thread).
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.seen_requests: collections.deque[str] = collections.deque(maxlen=2048)
+        r = self.rt.registry
+        Gauge("pdmesh_capacity_mismatch", "1 when configured context > real pool capacity",
+              registry=r).set(1 if self.mismatch else 0)
+        self.pool_pages = Gauge("pdmesh_kv_pool_pages", "KV pool pages by state", ["state"],
+                                registry=r)
+        self.ticket_refusals = Counter("pdmesh_tickets_refused_total", "Tickets refused",
+                                       ["reason"], registry=r)
+        self.kv_bytes = Counter("pdmesh_kv_transfer_bytes_total", "KV bytes moved",
+                                ["direction"], registry=r)
+
+    async def start(self) -> None:
+        rt = self.rt
+        await rt.start_http()
+        await rt.connect()
+        try:
+            self.data_address = await self._start_transport()
+        except OSError as exc:
+            raise StartupError(self.cfg.role, f"data plane {self.cfg.data_host}:"
+                               f"{self.cfg.data_port}", exc.strerror or str(exc)) from None
+        await self.subscribe()
+        await rt.serve_stats(self.stats)
+        rt.on_drain(self._on_drain)
+        rt.every(self.cfg.heartbeat_s, self.heartbeat, "heartbeat")
+        rt.mark_ready()
+        await self.heartbeat()
+
+    async def _start_transport(self) -> str:
+        address = await self.transport.start()
+        advertise = self.cfg.advertise_host
+        if advertise and "://" in address:
+            scheme, rest = address.split("://", 1)
+            address = f"{scheme}://{advertise}:{rest.rsplit(':', 1)[1]}"
+        return address
+
+    async def subscribe(self) -> None:
+        """Subclasses subscribe to their subjects here."""
+        raise NotImplementedError
+
+    async def _on_drain(self) -> None:
+        await self.heartbeat(draining=True)
+        await self.transport.close()
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    def queue_depth(self) -> int:
+        return 0
+
+    def active_requests(self) -> int:
+        return len(self.pool.live_leases())
+
+    async def heartbeat(self, draining: bool = False) -> None:
+        pool = self.pool
+        self.pool_pages.labels("free").set(pool.num_free_pages)
+        self.pool_pages.labels("leased").set(pool.num_leased_pages)
+        if not self.rt.nc.is_connected:
+            return
+        await self.rt.publish(m.heartbeat_subject(self.role.value, self.cfg.worker_id),
+                              m.Heartbeat(
+            worker_id=self.cfg.worker_id, role=self.role, model=self.model.name,
+            data_address=self.data_address,
+            http_address=f"http://{self.cfg.http_host}:{self.rt.http_port}",
+            pool_capacity_tokens=pool.capacity_tokens, free_tokens=pool.free_tokens,
+            page_tokens=pool.spec.page_size, configured_context=self.configured_context,
+            served_context=self.served_context, capacity_mismatch=self.mismatch,
+            queue_depth=self.queue_depth(), active_requests=self.active_requests(),
+            ready=not draining, draining=draining, sent_at=time.time()))
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def stats(self) -> m.StatsReply:
+        integrity_error = ""
+        try:
+            self.pool.check_integrity()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: this is a probe
+            integrity_error = str(exc)
+        counters = self.counters()
+        counters["tickets_refused"] = counter_total(self.ticket_refusals)
+        return m.StatsReply(
+            worker_id=self.cfg.worker_id, role=self.role, counters=counters,
+            leased_pages=self.pool.num_leased_pages, free_pages=self.pool.num_free_pages,
+            total_pages=self.pool.num_pages, live_leases=len(self.pool.live_leases()),
+            integrity_ok=not integrity_error, integrity_error=integrity_error,
+            request_ids=list(self.seen_requests))
+
+
+async def run_worker(worker: WorkerBase) -> None:
+    worker.rt.install_signal_handlers()
+    try:
+        await worker.start()
+    except BaseException:
+        await worker.rt.drain("start failed")
+        raise
+    await worker.rt.wait_closed()

@@ -1,0 +1,29 @@
+"""Shared fixtures: a real nats-server and a real mesh started exactly as `pdmesh up` does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.meshproc import Mesh, NatsServer, mesh_env, run_mesh
+
+# The shared mesh: tiny model, a decode/prefill pool smaller than the model's configured
+# context so the capacity audit clamps (I5) and over-capacity prompts are cheap to make.
+LIVE_MESH_KV_TOKENS = 4096
+
+
+@pytest.fixture
+def nats_server() -> Iterator[NatsServer]:
+    server = NatsServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_mesh() -> Iterator[Mesh]:
+    with run_mesh("--kv-tokens", str(LIVE_MESH_KV_TOKENS),
+                  env=mesh_env(PDMESH_ALLOW_FAULTS="1")) as mesh:
+        yield mesh

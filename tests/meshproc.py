@@ -1,0 +1,154 @@
+"""Test helpers that run the real thing: nats-server and `pdmesh up` as OS processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.launcher import free_port, nats_server_binary
+
+REPO = Path(__file__).resolve().parents[1]
+DEV_KEYS = {"alice": "sk-dev-alice", "bob": "sk-dev-bob", "carol": "sk-dev-carol"}
+
+
+class NatsServer:
+    """A real nats-server on a free loopback port; can be stopped and restarted."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsServer:
+        self.proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p",
+                                      str(self.port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                import socket
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError("nats-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@dataclass
+class Mesh:
+    """A running `pdmesh up` (each service its own process), as a client sees it."""
+
+    proc: subprocess.Popen[bytes]
+    gateway_port: int
+    nats_url: str = ""
+    model: str = "tiny"
+    max_context: int = 0
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}/v1"
+
+    @property
+    def api_keys(self) -> list[str]:
+        return list(DEV_KEYS.values())
+
+    def child_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                             text=True, check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def http(self, method: str, path: str, body: object | None = None,
+             key: str | None = "sk-dev-alice", timeout: float = 60,
+             raw: bytes | None = None, headers: dict[str, str] | None = None
+             ) -> tuple[int, dict]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(f"http://127.0.0.1:{self.gateway_port}{path}", data=data,
+                                     method=method)
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310
+                return resp.status, json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            payload = exc.read()
+            try:
+                return exc.code, json.loads(payload)
+            except ValueError:
+                return exc.code, {"raw": payload.decode(errors="replace")}
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout)
+
+
+def mesh_env(**overrides: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
+    env.update(overrides)
+    return env
+
+
+@contextlib.contextmanager
+def run_mesh(*args: str, env: dict[str, str] | None = None,
+             ready_timeout: float = 120) -> Iterator[Mesh]:
+    """Run `pdmesh up <args>` (tiny model) and yield once the gateway is ready."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdmesh_cli", "up", "--model", "tiny", "--gateway-port",
+           str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env or mesh_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    mesh = Mesh(proc=proc, gateway_port=port)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            mesh.log.append(line)
+            found = re.search(r"mesh ready: .* \(NATS (nats://[^)]+)\)", line)
+            if found:
+                mesh.nats_url = found.group(1)
+                ready.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + ready_timeout
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("pdmesh up failed to start:\n" + "\n".join(mesh.log[-60:]))
+    try:
+        status, models = mesh.http("GET", "/v1/models")
+        if status == 200 and models.get("data"):
+            mesh.max_context = int(models["data"][0].get("max_model_len") or 0)
+        yield mesh
+    finally:
+        try:
+            mesh.stop()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
