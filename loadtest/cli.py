@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds; no request is issued after it")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get after issuing ends")
+    p.add_argument("--cancel-grace", type=float, default=2.0,
+                   help="seconds in-flight requests get after Ctrl-C / SIGTERM")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--output-dir", default="out/loadtest")
     _add_length_args(p, "input", 1024)
@@ -142,7 +144,7 @@ async def run_target(args: argparse.Namespace, target: Target, model: str,
     shape = LoadShape(request_rate=args.request_rate, arrival=args.arrival,
                       burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                       duration_s=args.duration, drain_timeout_s=args.drain_timeout,
-                      seed=args.seed)
+                      cancel_grace_s=args.cancel_grace, seed=args.seed)
     cfg = _client_config(args, target, model)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -154,8 +156,10 @@ async def run_target(args: argparse.Namespace, target: Target, model: str,
         if args.warmup_requests and not stop.is_set():
             warm = build_warmup_requests(spec, args.warmup_requests)
             bar = ProgressBar(len(warm), f"{target.label} warmup", show_progress)
-            await run_load(warm, send, LoadShape(max_concurrency=args.max_concurrency or 4,
-                                                 drain_timeout_s=args.drain_timeout),
+            warm_shape = LoadShape(max_concurrency=args.max_concurrency or 4,
+                                   drain_timeout_s=args.drain_timeout,
+                                   cancel_grace_s=args.cancel_grace)
+            await run_load(warm, send, warm_shape,
                            stop, bar.on_event)
             bar.close()
         references: dict = {}

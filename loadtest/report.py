@@ -14,6 +14,24 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure  # no pyplot: Agg rendering, no global GUI state
 
+# The results schema: `vllm bench serve` names (so its tooling reads the file) + pdmesh extras.
+VLLM_RESULT_KEYS = (
+    "date", "backend", "model_id", "num_prompts", "request_rate", "burstiness",
+    "max_concurrency", "duration", "completed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+    "input_lens", "output_lens", "ttfts", "itls", "errors", "generated_texts",
+    *(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
+      for stat in ("mean", "median", "std", "p90", "p99")),
+)
+PDMESH_RESULT_KEYS = (
+    "label", "base_url", "seed", "context_length", "num_tenants", "issued", "not_issued",
+    "interrupted", "deadline_reached", "failed", "e2els", "tenants", "expect_reject",
+    "statuses", "errors_by_kind", "rejection_codes", "expected_rejections",
+    "correct_rejections", "missed_rejections", "misreported_rejections",
+    "unexpected_rejections", "goodput_slos_ms", "ttft_ms_by_input_len", "per_tenant",
+)
+INTEGRITY_RESULT_KEYS = ("integrity_checked", "integrity_mismatches", "integrity_unchecked",
+                         "integrity_reference_failures")
 LATENCY_CDF_PNG = "latency_cdf.png"
 TTFT_VS_PROMPT_PNG = "ttft_vs_prompt_len.png"
 
