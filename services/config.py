@@ -224,3 +224,16 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
 
 def replace(cfg: ServiceConfig, **changes: Any) -> ServiceConfig:
     return dataclasses.replace(cfg, **changes)
+
+
+def markdown_table() -> str:
+    """The settings table README.md carries (a test keeps them in step)."""
+    rows = ["| CLI flag | env var | default | meaning |", "|---|---|---|---|"]
+    for s in SETTINGS:
+        default = "" if s.default == "" else f"`{s.default}`"
+        rows.append(f"| `{s.flag}` | `{s.env}` | {default} | {s.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
