@@ -238,7 +238,8 @@ class UcxTransport:
         except ValueError as exc:
             raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
         try:
-            return await self._timed(ucx.create_endpoint(host, port), 2 * self.progress_timeout_s)
+            return await self._timed(ucx.create_endpoint(host, port),
+                                     max(2.0, 2 * self.progress_timeout_s))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
