@@ -5,7 +5,6 @@ Every failure to start is one clear line on stderr and a non-zero exit, never a 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib
 import logging
@@ -13,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from services.config import SETTINGS, add_arguments, resolve
+from services.config import SETTINGS, ArgumentParser, add_arguments, resolve
 from services.errors import PdmeshError
 
 SERVE = {
@@ -46,7 +45,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(role: str, argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"pdmesh serve {role}")
+    parser = ArgumentParser(prog=f"pdmesh serve {role}")
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -67,7 +66,7 @@ def cmd_serve(role: str, argv: Sequence[str]) -> int:
 def cmd_up(argv: Sequence[str]) -> int:
     from services.launcher import Launcher, run_up
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="pdmesh up", description="Run the whole mesh locally: embedded nats-server, "
         "admission, prefill, decode and gateway, each its own process.")
     add_arguments(parser, only=UP_FLAGS)

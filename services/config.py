@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from services.errors import ConfigError
 
@@ -152,13 +152,20 @@ class ServiceConfig:
         return frozenset(f.strip() for f in self.faults.split(",") if f.strip())
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one clear line, like every other start-up error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"pdmesh: error: {self.prog}: {message}\n")
+
+
 def add_arguments(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
     """Add one flag per setting; defaults stay None so env vars can fill them later."""
     for s in SETTINGS:
         if only is not None and s.field not in only:
             continue
-        parser.add_argument(s.flag, dest=s.field, default=None, help=f"{s.help} [{s.env}]",
-                            choices=s.choices)
+        # Choices are checked in resolve(), so a bad flag and a bad env var read the same.
+        parser.add_argument(s.flag, dest=s.field, default=None, help=f"{s.help} [{s.env}]")
 
 
 def _coerce(s: Setting, raw: Any, source: str) -> Any:

@@ -114,18 +114,23 @@ class ServiceRuntime:
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
-                await self.nc.connect(
+                # nats-py keeps retrying an unreachable server forever with unlimited
+                # reconnects, so the start-up deadline is ours.
+                await asyncio.wait_for(self.nc.connect(
                     servers=self.cfg.nats_servers, name=f"{self.role}:{self.worker_id}",
                     connect_timeout=1, allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25, ping_interval=5, max_outstanding_pings=2,
                     error_cb=self._on_nats_error, disconnected_cb=self._on_disconnect,
-                    reconnected_cb=self._on_reconnect)
+                    reconnected_cb=self._on_reconnect),
+                    max(deadline - time.monotonic(), 0.1))
                 self.nats_connected.labels(self.role).set(1)
                 return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure to connect is retried
                 last = exc
+                with contextlib.suppress(Exception):
+                    await self.nc.close()
                 self.nc = NATS()
                 await asyncio.sleep(0.25)
         raise StartupError(self.role, f"NATS at {', '.join(self.cfg.nats_servers)}",
