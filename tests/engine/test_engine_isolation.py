@@ -13,7 +13,7 @@ from services.engine.reference import ReferenceEngine
 from services.engine.runner import DecodeSlot, Engine, make_pool
 from services.engine.sampling import SamplingParams
 
-PARAMS = SamplingParams(max_tokens=10)
+PARAMS = SamplingParams(max_tokens=8)
 # Mixed lengths, including ones that cross page (16) and prefill-chunk (512) boundaries.
 LENGTHS = [37, 1, 15, 16, 17, 100, 513, 64, 250, 3, 700, 31, 48, 9, 129, 300]
 
