@@ -60,7 +60,9 @@ def rejection_accounting(results: Sequence[RequestResult]) -> dict[str, int]:
     """Over-long prompts must end in HTTP 400; valid prompts must never get a 4xx.
 
     `missed_rejections` (an over-long prompt produced output: the incident's failure mode)
-    must be 0. `misreported_rejections`: an over-long prompt failed, but not with a 400."""
+    must be 0. `misreported_rejections`: an over-long prompt failed, but not with a 400.
+    `unexpected_rejections`: a valid prompt got any 4xx (429 included, also counted alone
+    as `throttled_requests`)."""
     expected = [r for r in results if r.expect_reject and r.error_kind != "cancelled"]
     valid = [r for r in results if not r.expect_reject]
     return {
@@ -71,6 +73,9 @@ def rejection_accounting(results: Sequence[RequestResult]) -> dict[str, int]:
             r.status != 400 and not r.success and not r.generated_text for r in expected),
         "unexpected_rejections": sum(
             r.status is not None and 400 <= r.status < 500 for r in valid),
+        # 429 (back-pressure: "busy, retry later") is a 4xx too, so it is inside
+        # unexpected_rejections; this tells it apart from refusing the prompt itself.
+        "throttled_requests": sum(r.status == 429 for r in results),
     }
 
 

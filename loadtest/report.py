@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure  # no pyplot: Agg rendering, no global GUI state
 
-# The results schema: `vllm bench serve` names (so its tooling reads the file) + pdmesh extras.
+# The results schema: `vllm bench serve` names (its tooling reads the file) + pdmesh extras.
 VLLM_RESULT_KEYS = (
     "date", "backend", "model_id", "num_prompts", "request_rate", "burstiness",
     "max_concurrency", "duration", "completed", "total_input_tokens", "total_output_tokens",
@@ -28,7 +28,8 @@ PDMESH_RESULT_KEYS = (
     "interrupted", "deadline_reached", "failed", "e2els", "tenants", "expect_reject",
     "statuses", "errors_by_kind", "rejection_codes", "expected_rejections",
     "correct_rejections", "missed_rejections", "misreported_rejections",
-    "unexpected_rejections", "goodput_slos_ms", "ttft_ms_by_input_len", "per_tenant",
+    "unexpected_rejections", "throttled_requests", "goodput_slos_ms", "ttft_ms_by_input_len",
+    "per_tenant",
 )
 INTEGRITY_RESULT_KEYS = ("integrity_checked", "integrity_mismatches", "integrity_unchecked",
                          "integrity_reference_failures")
@@ -133,7 +134,8 @@ def format_summary(result: Mapping) -> str:
         ("Expected rejections", result["expected_rejections"]),
         ("Correct rejections (400)", result["correct_rejections"]),
         ("Missed rejections (must be 0)", result["missed_rejections"]),
-        ("Unexpected rejections", result["unexpected_rejections"]),
+        ("Unexpected rejections (4xx)", result["unexpected_rejections"]),
+        ("  of which throttled (429)", result["throttled_requests"]),
         ("Errors by kind", json.dumps(result["errors_by_kind"])),
     ]
     if "integrity_mismatches" in result:
@@ -178,7 +180,13 @@ def comparison(label_a: str, a: Mapping, label_b: str, b: Mapping) -> dict:
         if other:
             buckets[bucket] = {label_a: stats["median_ttft_ms"], label_b: other["median_ttft_ms"],
                                "ratio": _ratio(stats["median_ttft_ms"], other["median_ttft_ms"])}
+    # Same seed, same prompts, greedy: both servers must give the same text (I4).
+    both_ok = [i for i, (ea, eb) in enumerate(zip(a["errors"], b["errors"], strict=True))
+               if not ea and not eb]
+    differing = [i for i in both_ok if a["generated_texts"][i] != b["generated_texts"][i]]
     return {"labels": [label_a, label_b], "rows": rows, "median_ttft_ms_by_input_len": buckets,
+            "outputs_compared": len(both_ok), "output_mismatches": len(differing),
+            "output_mismatch_indices": differing,
             "ttft_ratio": rows["mean_ttft_ms"]["ratio"],
             "output_throughput_ratio": rows["output_throughput"]["ratio"]}
 
@@ -193,4 +201,6 @@ def format_comparison(comp: Mapping) -> str:
     for bucket, row in comp["median_ttft_ms_by_input_len"].items():
         lines.append(f"{'Median TTFT ~' + bucket + ' tok':<28}{_fmt(row[label_a]):>14}"
                      f"{_fmt(row[label_b]):>14}{_fmt(row['ratio']):>10}")
+    lines.append(f"Greedy outputs compared / differing: {comp['outputs_compared']} / "
+                 f"{comp['output_mismatches']}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -162,6 +162,6 @@ def sse_server_factory() -> Iterator:
 
 
 @pytest.fixture
-def sse_server(sse_server_factory) -> SSEDouble:  # noqa: ANN001
+def sse_server(sse_server_factory: Callable[..., SSEDouble]) -> SSEDouble:
     """A well-behaved OpenAI-style SSE test double (client tests only, not pdmesh)."""
     return sse_server_factory()

@@ -93,6 +93,7 @@ def test_compare_prints_side_by_side_ratios(sse_server_factory, tmp_path, capsys
     comp = _load(tmp_path / "comparison.json")
     assert comp["labels"] == ["mesh", "colocated"]
     assert comp["ttft_ratio"] > 1.0 and comp["output_throughput_ratio"] < 1.0
+    assert comp["outputs_compared"] == 9 and comp["output_mismatches"] == 0
     assert _load(tmp_path / "results-compare.json")["label"] == "colocated"
     out = capsys.readouterr().out
     assert "Mean TTFT (ms)" in out and "ratio" in out
@@ -104,7 +105,8 @@ def test_sigint_saves_partial_results(sse_server_factory, tmp_path):
     slow = sse_server_factory(token_delay_s=0.5)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtest", *_argv(slow, tmp_path, "--max-concurrency", "2", "--cancel-grace", "0.2")],
+        [sys.executable, "-m", "loadtest",
+         *_argv(slow, tmp_path, "--max-concurrency", "2", "--cancel-grace", "0.2")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 20

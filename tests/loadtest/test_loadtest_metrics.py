@@ -63,7 +63,7 @@ def test_rejection_accounting_counts_each_case():
     ]
     assert rejection_accounting(results) == {
         "expected_rejections": 3, "correct_rejections": 1, "missed_rejections": 1,
-        "misreported_rejections": 1, "unexpected_rejections": 2}
+        "misreported_rejections": 1, "unexpected_rejections": 2, "throttled_requests": 1}
 
 
 def test_compute_metrics_fields_and_goodput():
