@@ -239,7 +239,7 @@ class UcxTransport:
             raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
         try:
             return await self._timed(ucx.create_endpoint(host, port),
-                                     max(2.0, 2 * self.progress_timeout_s))
+                                     2 * self.progress_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
