@@ -1,10 +1,9 @@
 """What prefill and decode workers share: model, KV pool, transport, capacity audit, heartbeat.
 
-The capacity audit (invariant I5) runs once at start, on the real pool: when the configured
-context is larger than the pool can hold, the worker either refuses to start
-(`--on-capacity-mismatch fail`) or clamps the context it serves and says so loudly (log at
-ERROR, `pdmesh_capacity_mismatch` = 1, `capacity_mismatch` in every heartbeat). Heartbeats
-carry the pool's live figures, never configuration.
+The capacity audit (invariant I5, `services.capacity.audit_capacity`) runs once at start on
+the real pool: a configured context larger than the pool either stops the worker
+(`--on-capacity-mismatch fail`) or is clamped loudly (log at ERROR, `pdmesh_capacity_mismatch`
+= 1, `capacity_mismatch` in every heartbeat). Heartbeats carry live pool figures only.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from services import messages as m
 from services.config import ServiceConfig
 from services.engine.models import load_model
 from services.engine.runner import Engine, make_pool
+from services.capacity import audit_capacity
 from services.errors import StartupError
 from services.runtime import ServiceRuntime, counter_total
 from services.tickets import TicketVerifier
@@ -31,22 +31,6 @@ from transports import KVTransport, make_transport
 
 log = logging.getLogger("pdmesh.worker")
 T = TypeVar("T")
-
-
-def audit_capacity(cfg: ServiceConfig, model_max_context: int, pool_capacity_tokens: int,
-                   role: str) -> tuple[int, int, bool]:
-    """Return (configured, served, mismatch); raise StartupError under the `fail` policy."""
-    configured = cfg.max_context or model_max_context
-    if configured <= pool_capacity_tokens:
-        return configured, configured, False
-    msg = (f"configured context {configured} tokens exceeds the real KV pool of this "
-           f"{role} worker ({pool_capacity_tokens} tokens)")
-    if cfg.on_capacity_mismatch == "fail":
-        raise StartupError(role, "capacity audit", msg + " (--on-capacity-mismatch fail)")
-    log.error("CAPACITY MISMATCH: %s; serving a clamped context of %d tokens "
-              "(--on-capacity-mismatch clamp). Admission uses the live figure.",
-              msg, pool_capacity_tokens)
-    return configured, pool_capacity_tokens, True
 
 
 class WorkerBase:
@@ -62,8 +46,10 @@ class WorkerBase:
                                       page_size=cfg.page_tokens,
                                       scrub=ScrubPolicy[cfg.scrub.upper()])
         self.engine = Engine(self.model, self.pool)
-        self.configured_context, self.served_context, self.mismatch = audit_capacity(
-            cfg, self.model.config.max_context, self.pool.capacity_tokens, cfg.role)
+        self.configured_context = cfg.max_context or self.model.config.max_context
+        self.served_context, self.mismatch = audit_capacity(
+            self.configured_context, self.pool.capacity_tokens, cfg.on_capacity_mismatch,
+            cfg.role)
         self.transport: KVTransport = make_transport(cfg.transport, host=cfg.data_host,
                                                      port=cfg.data_port)
         self.data_address = ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.capacity import decode_refusal, fits, prefill_refusal
 from services.messages import RejectReason
 
 
@@ -37,15 +38,6 @@ class Rejected:
     limit: int = 0
 
 
-def pages_for(num_tokens: int, page_tokens: int) -> int:
-    return -(-num_tokens // page_tokens)
-
-
-def fits(num_tokens: int, capacity_tokens: int, page_tokens: int) -> bool:
-    """True when `num_tokens` fit in whole pages of a pool of `capacity_tokens`."""
-    return pages_for(num_tokens, page_tokens) * page_tokens <= capacity_tokens
-
-
 def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
            decodes: list[WorkerView]) -> Admitted | Rejected:
     """Admit to the least-loaded pair that can hold the request now, or reject with a reason.
@@ -69,16 +61,15 @@ def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
                         f"This model's maximum context length is {context} tokens. However, "
                         f"you requested {total} tokens ({prompt_len} in the prompt, "
                         f"{max_tokens} for the completion).", limit=context)
-    prefill_ok = [p for p in prefills
-                  if fits(prompt_len, p.capacity_tokens, p.page_tokens)
-                  and prompt_len <= p.served_context]
+    prefill_ok = [p for p in prefills if not prefill_refusal(
+        prompt_len, p.capacity_tokens, p.page_tokens, p.served_context)]
     if not prefill_ok:
         limit = max(p.capacity_tokens for p in prefills)
         return Rejected(RejectReason.PROMPT_EXCEEDS_PREFILL_POOL,
                         f"prompt of {prompt_len} tokens exceeds the prefill KV pool "
                         f"({limit} tokens)", limit=limit)
-    decode_ok = [d for d in decodes
-                 if fits(total, d.capacity_tokens, d.page_tokens) and total <= d.served_context]
+    decode_ok = [d for d in decodes if not decode_refusal(
+        prompt_len, max_tokens, d.capacity_tokens, d.page_tokens, d.served_context)]
     if not decode_ok:
         limit = max(d.capacity_tokens for d in decodes)
         return Rejected(RejectReason.EXCEEDS_DECODE_POOL,

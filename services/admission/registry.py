@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 
 from services import messages as m
-from services.admission.policy import WorkerView, pages_for
+from services.admission.policy import WorkerView
+from services.capacity import pages_for
 
 
 @dataclass

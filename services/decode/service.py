@@ -23,6 +23,7 @@ from prometheus_client import Counter
 
 from kvstore import Lease, PoolExhaustedError
 from services import messages as m
+from services.capacity import decode_refusal
 from services.config import ServiceConfig
 from services.engine.runner import DecodeSlot
 from services.engine.sampling import Sampler, SamplingParams
@@ -106,17 +107,15 @@ class DecodeService(WorkerBase):
             return m.ReserveReply(ok=False, request_id=t.request_id, error=str(exc),
                                   code=m.FailCode.TICKET_INVALID)
         total = t.prompt_len + t.max_tokens
-        if t.request_id in self.requests or t.prompt_len <= 0 or t.max_tokens <= 0:
-            self.reservations.labels("refused").inc()
-            return m.ReserveReply(ok=False, request_id=t.request_id, code=m.FailCode.INTERNAL,
-                                  error="duplicate request id or empty request")
-        if total > self.served_context:
-            # Defence in depth: admission should never send this (I5).
+        refusal = decode_refusal(t.prompt_len, t.max_tokens, self.pool.capacity_tokens,
+                                 self.pool.spec.page_size, self.served_context)
+        if t.request_id in self.requests:
+            refusal = "duplicate request id"
+        if refusal:
+            # Defence in depth: admission applies the same rules and should never send this.
             self.reservations.labels("refused").inc()
             return m.ReserveReply(ok=False, request_id=t.request_id,
-                                  code=m.FailCode.RESERVE_FAILED,
-                                  error=f"{total} tokens exceed served context "
-                                        f"{self.served_context}")
+                                  code=m.FailCode.RESERVE_FAILED, error=refusal)
         try:
             lease = self.pool.allocate(t.request_id, total)
         except PoolExhaustedError as exc:

@@ -19,6 +19,7 @@ from prometheus_client import Counter
 
 from kvstore import PoolExhaustedError
 from services import messages as m
+from services.capacity import prefill_refusal
 from services.config import ServiceConfig
 from services.engine.sampling import Sampler, SamplingParams
 from services.errors import TicketError
@@ -102,11 +103,10 @@ class PrefillService(WorkerBase):
         """Prefill's own gate, independent of admission (defence in depth)."""
         n = len(d.prompt_ids)
         vocab = self.model.tokenizer.vocab_size
-        if n == 0:
-            return "empty prompt"
-        if n > self.pool.capacity_tokens or n > self.served_context:
-            return (f"prompt of {n} tokens exceeds this prefill worker "
-                    f"(pool {self.pool.capacity_tokens}, context {self.served_context})")
+        refusal = prefill_refusal(n, self.pool.capacity_tokens, self.pool.spec.page_size,
+                                  self.served_context)
+        if refusal:
+            return refusal
         if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:
             return f"token id out of range 0..{vocab - 1}"
         if len(d.page_ids) != -(-n // d.page_tokens) or d.page_tokens != self.pool.spec.page_size:
