@@ -136,6 +136,7 @@ class DecodeService(WorkerBase):
                                  temperature=req.sampling.temperature,
                                  top_p=req.sampling.top_p, seed=req.sampling.seed,
                                  max_tokens=t.max_tokens)))
+        dreq.sampler.skip(1)  # prefill samples the first token
         self.requests[t.request_id] = dreq
         dreq.transfer_task = self.rt.spawn(self._await_transfer(dreq, fut),
                                            f"transfer:{t.request_id}")
