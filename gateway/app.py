@@ -9,6 +9,7 @@ Every error, including 404/405/413 and unexpected ones, is answered in the OpenA
 from __future__ import annotations
 
 import json
+import secrets
 import logging
 import time
 import uuid
@@ -26,6 +27,7 @@ from services import messages as m
 from services.admission.registry import CapacityRegistry
 from services.config import ServiceConfig
 from services.engine.models import load_model
+from services.faults import FAULT_HEADER, REQUEST_FAULTS
 from services.runtime import ServiceRuntime
 
 log = logging.getLogger("pdmesh.gateway")
@@ -53,6 +55,7 @@ class Gateway:
         self.tokenizer, self.model_name = loaded.tokenizer, loaded.name
         del loaded
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
+        self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
         self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.reserve_timeout_s + 3.0)
         r = self.rt.registry
         self.ttft = Histogram("pdmesh:time_to_first_token_seconds", "Time to first token",
@@ -160,10 +163,14 @@ class Gateway:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         temperature = 1.0 if body.temperature is None else body.temperature
+        # One seed per request, chosen here when the client gives none, so prefill (first
+        # token) and decode (the rest) sample from the same stream.
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        fault = request.headers.get(FAULT_HEADER, "") if self.request_faults else ""
         req = m.SubmitRequest(
             request_id=rid, tenant=tenant.tenant_id, cache_salt=tenant.cache_salt,
             prompt_ids=ids, max_tokens=max_tokens, sampling=m.Sampling(
-                temperature=temperature, top_p=body.top_p or 1.0, seed=body.seed))
+                temperature=temperature, top_p=body.top_p or 1.0, seed=seed), fault=fault)
         outcome = "error"
         try:
             async with self.mesh.submit(req) as sub:
@@ -206,6 +213,16 @@ class _Generation:
         transport = self.request.transport
         return transport is not None and not transport.is_closing()
 
+    def _workers_alive(self, sub: Any) -> str:
+        """Name of a worker serving this request that stopped heartbeating, or ""."""
+        # Prefill matters only until its KV has arrived (the first token comes with it).
+        workers = [sub.decode_worker] if sub.got_first_token else [sub.decode_worker,
+                                                                   sub.prefill_worker]
+        for worker in workers:
+            if worker and self.gw.registry.get(worker) is None:
+                return worker
+        return ""
+
     async def run(self, sub: Any) -> str:
         gw = self.gw
         finish: str | None = None
@@ -219,7 +236,8 @@ class _Generation:
             if self.chat:
                 await self._send(self._chunk({"role": "assistant", "content": ""}, None))
         try:
-            async for ev in gw.mesh.tokens(sub, gw.cfg.request_timeout_s, self._alive):
+            async for ev in gw.mesh.tokens(sub, gw.cfg.request_timeout_s, self._alive,
+                                           self._workers_alive):
                 now = time.monotonic()
                 if last is None:
                     gw.ttft.labels(self.tenant.tenant_id).observe(now - self.t0)

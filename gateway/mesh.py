@@ -49,6 +49,9 @@ class Submission:
     request_id: str
     events: asyncio.Queue[m.TokenEvent]
     finished: bool = False
+    decode_worker: str = ""
+    prefill_worker: str = ""
+    got_first_token: bool = False
 
 
 class MeshClient:
@@ -79,6 +82,8 @@ class MeshClient:
             if not reply.admitted:
                 assert reply.rejection is not None
                 raise MeshRejected(reply.rejection)
+            sub_state.decode_worker = reply.decode_worker
+            sub_state.prefill_worker = reply.prefill_worker
             yield sub_state
         finally:
             with contextlib.suppress(Exception):
@@ -91,13 +96,14 @@ class MeshClient:
                         request_id=req.request_id, code=m.FailCode.ABORTED,
                         detail="gateway ended the request"))
 
-    async def tokens(self, sub: Submission, deadline_s: float,
-                     alive: Callable[[], bool]) -> AsyncIterator[m.TokenEvent]:
+    async def tokens(self, sub: Submission, deadline_s: float, alive: Callable[[], bool],
+                     dead_worker: Callable[[Submission], str]) -> AsyncIterator[m.TokenEvent]:
         """Yield token events in order until one has a finish reason.
 
-        Raises MeshFailed (a worker failed), TimeoutError (deadline) or ClientGone (`alive`
-        turned false: checked every `POLL_S` even while no token arrives, so a client that
-        leaves during a long prefill is noticed quickly).
+        Raises MeshFailed (a worker failed, or one serving this request stopped
+        heartbeating: `dead_worker`), TimeoutError (deadline) or ClientGone (`alive` turned
+        false). Both are checked every `POLL_S` even while no token arrives, so a client
+        that leaves or a worker killed mid-stream is noticed without waiting the deadline.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_s
@@ -112,12 +118,17 @@ class MeshClient:
             except TimeoutError:
                 if not alive():
                     raise ClientGone(sub.request_id) from None
+                gone = dead_worker(sub)
+                if gone:
+                    raise MeshFailed(m.FailCode.PEER_RELEASED,
+                                     f"worker {gone} stopped heartbeating") from None
                 continue
             if ev.fail_code is not None:
                 # Not marked finished: the abort that follows makes sure the other side
                 # lets go too, even if the failing worker could not tell it.
                 raise MeshFailed(m.FailCode(ev.fail_code), ev.detail)
             pending[ev.seq] = ev
+            sub.got_first_token = True
             while expected_seq in pending:
                 cur = pending.pop(expected_seq)
                 expected_seq += 1

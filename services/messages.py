@@ -104,9 +104,9 @@ class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     prompt_ids: list[int]
     max_tokens: int
     sampling: Sampling = Sampling()
-    # Test-only fault hook: honoured only when the admission service runs with
-    # fault injection enabled (PDMESH_FAULTS); production config refuses it.
-    bypass_admission_check: bool = False
+    # Test-only fault to inject for this request (see services/faults.py); honoured only
+    # by services started with PDMESH_FAULTS=request_faults, which needs PDMESH_ALLOW_FAULTS=1.
+    fault: str = ""
 
 
 class AdmittedTicket(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,6 +168,7 @@ class PrefillDispatch(msgspec.Struct, frozen=True, kw_only=True, tag="dispatch")
     page_tokens: int
     page_bytes: int
     data_address: str
+    fault: str = ""  # test-only, see SubmitRequest.fault
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):

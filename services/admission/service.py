@@ -20,6 +20,7 @@ from services import tickets
 from services.admission.policy import Admitted, Rejected, WorkerView, decide
 from services.admission.registry import CapacityRegistry
 from services.config import ServiceConfig
+from services.faults import REQUEST_FAULTS
 from services.runtime import ServiceRuntime, counter_total
 
 log = logging.getLogger("pdmesh.admission")
@@ -30,7 +31,7 @@ class AdmissionService:
         self.cfg = cfg
         self.rt = ServiceRuntime(cfg)
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
-        self.bypass_allowed = "bypass_admission" in cfg.fault_set
+        self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
         r = self.rt.registry
         self.decisions = Counter("pdmesh_admission_decisions_total", "Admission decisions",
                                  ["outcome"], registry=r)
@@ -93,7 +94,7 @@ class AdmissionService:
         prompt_len = len(req.prompt_ids)
         prefills = self.registry.views(m.Role.PREFILL)
         decodes = self.registry.views(m.Role.DECODE)
-        if req.bypass_admission_check and self.bypass_allowed and prefills and decodes:
+        if req.fault == "bypass_admission" and self.request_faults and prefills and decodes:
             # Test-only: skip the length checks so the workers' own guards are exercised.
             decision: Admitted | Rejected = Admitted(prefill=prefills[0], decode=decodes[0])
         else:
@@ -160,7 +161,8 @@ class AdmissionService:
             ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
             reservation_id=res.reservation_id, epoch=res.epoch, page_ids=res.page_ids,
             page_tokens=res.page_tokens, page_bytes=res.page_bytes,
-            data_address=res.data_address))
+            data_address=res.data_address,
+            fault=req.fault if self.request_faults else ""))
         self.dispatches.inc()
         self.decisions.labels("admitted").inc()
         return m.SubmitReply(request_id=req.request_id, admitted=True,

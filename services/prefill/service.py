@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
+import uuid
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -22,11 +24,12 @@ from services import messages as m
 from services.capacity import prefill_refusal
 from services.config import ServiceConfig
 from services.engine.sampling import Sampler, SamplingParams
+from services.faults import REQUEST_FAULTS, data_plane_plan
 from services.errors import TicketError
 from services.lifecycle import RequestState, advance
 from services.runtime import counter_total
 from services.worker import WorkerBase, run_worker
-from transports import TransferError, TransferPlan
+from transports import TransferAck, TransferError, TransferPlan
 
 log = logging.getLogger("pdmesh.prefill")
 
@@ -41,6 +44,10 @@ class PrefillJob:
         return self.dispatch.ticket.request_id
 
 
+class _SilentFailure(Exception):
+    """Test fault `silent_prefill`: fail without telling decode (its deadline must hold)."""
+
+
 class PrefillService(WorkerBase):
     role = m.Role.PREFILL
 
@@ -50,6 +57,7 @@ class PrefillService(WorkerBase):
         self.jobs: dict[str, PrefillJob] = {}
         self._work = asyncio.Event()
         self._freed = asyncio.Event()
+        self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
         r = self.rt.registry
         self.dispatches = Counter("pdmesh_prefill_dispatches_total", "Dispatches by outcome",
                                   ["outcome"], registry=r)
@@ -160,16 +168,17 @@ class PrefillService(WorkerBase):
                                              top_p=d.sampling.top_p, seed=d.sampling.seed,
                                              max_tokens=d.ticket.max_tokens))
             first = sampler.sample(logits)
-            n_pages = len(d.page_ids)
             plan = TransferPlan(reservation_id=d.reservation_id, epoch=d.epoch,
                                 dest_page_ids=tuple(d.page_ids), num_tokens=len(d.prompt_ids),
                                 page_tokens=d.page_tokens, page_bytes=d.page_bytes,
                                 first_token=first, deadline_s=self.cfg.transfer_deadline_s)
-            buffers = [self.pool.page_buffer(lease, i) for i in range(n_pages)]
-            ack = await self.transport.send(d.data_address, plan, buffers)
+            buffers = [self.pool.page_buffer(lease, i) for i in range(len(d.page_ids))]
+            ack = await self._send(d, plan, buffers)
             self.kv_bytes.labels("out").inc(ack.bytes)
             self.transfers.labels("ok").inc()
             job.state = advance(job.request_id, job.state, RequestState.TRANSFERRED)
+        except _SilentFailure:
+            job.state = RequestState.FAILED  # test fault: decode is deliberately not told
         except TransferError as exc:
             self.transfers.labels(exc.reason.name.lower()).inc()
             job.state = RequestState.FAILED
@@ -186,6 +195,31 @@ class PrefillService(WorkerBase):
             if lease is not None:
                 self.pool.release(lease, job.state.name.lower())
                 self._freed.set()
+
+    async def _send(self, d: m.PrefillDispatch, plan: TransferPlan,
+                    buffers: list[memoryview]) -> TransferAck:
+        """Send the KV; with a test fault enabled for this request, send it wrong."""
+        fault = d.fault if self.request_faults else ""
+        if not fault:
+            return await self.transport.send(d.data_address, plan, buffers)
+        if fault == "stub_transfer":
+            # The incident: a "rejected" prompt replaced by a 1-token stub, handed off anyway.
+            plan = dataclasses.replace(plan, num_tokens=1, dest_page_ids=plan.dest_page_ids[:1])
+            buffers = buffers[:1]
+        elif fault == "stale_epoch":
+            plan = dataclasses.replace(plan, epoch=plan.epoch + 1)
+        elif fault == "foreign_reservation":
+            plan = dataclasses.replace(plan, reservation_id=str(uuid.uuid4()))
+        elif fault == "silent_prefill":
+            raise _SilentFailure()
+        faults = data_plane_plan(fault, len(buffers), plan.page_bytes)
+        # Prefill sends one transfer at a time (its loop is serial), so setting the
+        # transport's fault plan around this one send affects no other request.
+        self.transport.faults = faults  # type: ignore[attr-defined]
+        try:
+            return await self.transport.send(d.data_address, plan, buffers)
+        finally:
+            self.transport.faults = None  # type: ignore[attr-defined]
 
     async def _allocate(self, job: PrefillJob):  # noqa: ANN202 - kvstore.Lease
         """Lease pages for the prompt, waiting (bounded) while other prompts hold them."""
