@@ -56,7 +56,9 @@ class Gateway:
         del loaded
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
         self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
-        self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.reserve_timeout_s + 3.0)
+        # Admission may queue a request up to queue_timeout_s before answering.
+        self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.queue_timeout_s
+                               + cfg.reserve_timeout_s + 3.0)
         r = self.rt.registry
         self.ttft = Histogram("pdmesh:time_to_first_token_seconds", "Time to first token",
                               ["tenant"], registry=r, buckets=LATENCY_BUCKETS)

@@ -82,6 +82,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Heartbeat interval in seconds."),
     Setting("worker_ttl_s", "--worker-ttl-s", "PDMESH_WORKER_TTL_S", float, 3.0,
             "Admission drops a worker whose last heartbeat is older than this."),
+    Setting("queue_timeout_s", "--queue-timeout-s", "PDMESH_QUEUE_TIMEOUT_S", float, 30.0,
+            "Admission: how long a request that fits but finds every decode pool busy waits "
+            "for capacity before a 429."),
     Setting("reserve_timeout_s", "--reserve-timeout-s", "PDMESH_RESERVE_TIMEOUT_S", float, 2.0,
             "Deadline for a decode reservation reply."),
     Setting("transfer_deadline_s", "--transfer-deadline-s", "PDMESH_TRANSFER_DEADLINE_S", float,
@@ -126,6 +129,7 @@ class ServiceConfig:
     max_batch: int
     heartbeat_s: float
     worker_ttl_s: float
+    queue_timeout_s: float
     reserve_timeout_s: float
     transfer_deadline_s: float
     ticket_ttl_s: float
@@ -215,7 +219,7 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")
     if cfg.max_context < 0:
         raise ConfigError("max_context", cfg.max_context, "must be >= 0")
-    for field in ("heartbeat_s", "worker_ttl_s", "reserve_timeout_s", "transfer_deadline_s",
+    for field in ("heartbeat_s", "worker_ttl_s", "queue_timeout_s", "reserve_timeout_s", "transfer_deadline_s",
                   "ticket_ttl_s", "nats_connect_timeout_s", "request_timeout_s"):
         if not getattr(cfg, field) > 0:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")

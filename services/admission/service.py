@@ -9,6 +9,8 @@ dispatch is published only with a reservation in hand.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
@@ -32,6 +34,7 @@ class AdmissionService:
         self.rt = ServiceRuntime(cfg)
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
         self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
+        self._capacity_changed = asyncio.Event()
         r = self.rt.registry
         self.decisions = Counter("pdmesh_admission_decisions_total", "Admission decisions",
                                  ["outcome"], registry=r)
@@ -74,6 +77,7 @@ class AdmissionService:
                 log.warning("worker %s serves a clamped context: configured %d > pool %d",
                             beat.worker_id, beat.configured_context, beat.pool_capacity_tokens)
             self.registry.observe(beat)
+            self._capacity_changed.set()  # wake submits waiting for capacity
 
     def _stats(self) -> m.StatsReply:
         counters = {name: counter_total(c) for name, c in (
@@ -91,31 +95,40 @@ class AdmissionService:
         await self.rt.respond(msg, reply)
 
     async def handle(self, req: m.SubmitRequest) -> m.SubmitReply:
+        """Admit (reserve + dispatch) or reject. Static limits reject at once; a mesh that
+        is only busy right now is waited on for up to `queue_timeout_s`, as a serving
+        engine queues, before the request is rejected as saturated (429)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.queue_timeout_s
         prompt_len = len(req.prompt_ids)
-        prefills = self.registry.views(m.Role.PREFILL)
-        decodes = self.registry.views(m.Role.DECODE)
-        if req.fault == "bypass_admission" and self.request_faults and prefills and decodes:
-            # Test-only: skip the length checks so the workers' own guards are exercised.
-            decision: Admitted | Rejected = Admitted(prefill=prefills[0], decode=decodes[0])
-        else:
-            decision = decide(prompt_len, req.max_tokens, prefills, decodes)
-        if isinstance(decision, Rejected):
-            return self._reject(req, decision)
-        for attempt in range(2):
-            reply = await self._reserve_and_dispatch(req, decision)
-            if reply is not None:
-                return reply
-            # The chosen decode refused (its pool changed since its heartbeat): try the
-            # next best one once, then give up with a clean rejection.
-            others = [d for d in decodes if d.worker_id != decision.decode.worker_id]
-            if attempt == 0 and others:
-                retry = decide(prompt_len, req.max_tokens, prefills, others)
-                if isinstance(retry, Admitted):
-                    decision = retry
-                    continue
-            break
-        return self._reject(req, Rejected(m.RejectReason.SATURATED,
-                                          "no decode worker could reserve the KV pages"))
+        tried: set[str] = set()
+        while True:
+            prefills = self.registry.views(m.Role.PREFILL)
+            decodes = [d for d in self.registry.views(m.Role.DECODE) if d.worker_id not in tried]
+            if req.fault == "bypass_admission" and self.request_faults and prefills and decodes:
+                # Test-only: skip the length checks so the workers' own gates are exercised.
+                decision: Admitted | Rejected = Admitted(prefill=prefills[0], decode=decodes[0])
+            else:
+                decision = decide(prompt_len, req.max_tokens, prefills, decodes)
+            if isinstance(decision, Admitted):
+                reply = await self._reserve_and_dispatch(req, decision)
+                if reply is not None:
+                    return reply
+                # That decode refused (its pool changed since its heartbeat): prefer the
+                # others until its next heartbeat shows what it really has.
+                tried.add(decision.decode.worker_id)
+                decision = Rejected(m.RejectReason.SATURATED,
+                                    "no decode worker could reserve the KV pages")
+            elif decision.reason is not m.RejectReason.SATURATED:
+                return self._reject(req, decision)
+            if loop.time() >= deadline:
+                return self._reject(req, decision)
+            self._capacity_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._capacity_changed.wait(),
+                                       min(0.25, max(deadline - loop.time(), 0.01)))
+            if self._capacity_changed.is_set():
+                tried.clear()  # fresh heartbeats: every decode may be asked again
 
     def _reject(self, req: m.SubmitRequest, rej: Rejected) -> m.SubmitReply:
         self.decisions.labels("rejected").inc()

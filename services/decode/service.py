@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class DecodeRequest:
     in_step: bool = False
     end_after_step: tuple[RequestState, m.FailCode, str] | None = None
     transfer_task: asyncio.Task[None] | None = None
+    reserved_at: float = field(default_factory=time.monotonic)
 
     @property
     def request_id(self) -> str:
@@ -65,6 +67,7 @@ class DecodeService(WorkerBase):
     def __init__(self, cfg: ServiceConfig) -> None:
         super().__init__(cfg)
         self.requests: dict[str, DecodeRequest] = {}
+        self.prefill_seen: dict[str, float] = {}  # prefill worker -> last heartbeat
         self._work = asyncio.Event()
         r = self.rt.registry
         self.reservations = Counter("pdmesh_reservations_total", "Decode reservations",
@@ -81,7 +84,26 @@ class DecodeService(WorkerBase):
         await self.rt.subscribe(m.reserve_subject(wid), m.ReserveRequest, self._on_reserve)
         await self.rt.subscribe(m.release_subject(wid), m.Release, self._on_release)
         await self.rt.subscribe(m.ABORT_SUBJECT, m.Abort, self._on_abort)
+        await self.rt.subscribe(m.heartbeat_subject("prefill", "*"), m.Heartbeat,
+                                self._on_prefill_heartbeat, concurrent=False)
         self.rt.spawn(self._decode_loop(), "decode-loop")
+        self.rt.every(self.cfg.heartbeat_s, self._watch_prefills, "watch-prefills")
+
+    async def _on_prefill_heartbeat(self, beat: m.Heartbeat, _msg: Msg) -> None:
+        self.prefill_seen[beat.worker_id] = time.monotonic()
+
+    async def _watch_prefills(self) -> None:
+        """Fail reservations whose prefill worker stopped heartbeating (killed, frozen,
+        partitioned) instead of holding the pages until the transfer deadline (I6)."""
+        now = time.monotonic()
+        for dreq in list(self.requests.values()):
+            if dreq.state is not RequestState.RESERVED:
+                continue
+            seen = self.prefill_seen.get(dreq.ticket.prefill_worker, dreq.reserved_at)
+            if now - max(seen, dreq.reserved_at) > self.cfg.worker_ttl_s:
+                await self._end(dreq, RequestState.FAILED, m.FailCode.PEER_RELEASED,
+                                f"prefill worker {dreq.ticket.prefill_worker} stopped "
+                                "heartbeating")
 
     def active_requests(self) -> int:
         return len(self.requests)
