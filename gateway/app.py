@@ -247,7 +247,7 @@ class _Generation:
                     gw.itl.labels(self.tenant.tenant_id).observe(now - last)
                 last = now
                 self.completion_tokens += len(ev.token_ids)
-                self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
+                self.cached_tokens = max(self.cached_tokens, sub.cached_tokens)
                 delta = self.text.push(ev.token_ids, final=ev.finish is not None)
                 if self.text.stopped:
                     finish = "stop"

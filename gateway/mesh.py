@@ -52,6 +52,7 @@ class Submission:
     decode_worker: str = ""
     prefill_worker: str = ""
     got_first_token: bool = False
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (info event)
 
 
 class MeshClient:
@@ -127,6 +128,11 @@ class MeshClient:
                 # Not marked finished: the abort that follows makes sure the other side
                 # lets go too, even if the failing worker could not tell it.
                 raise MeshFailed(m.FailCode(ev.fail_code), ev.detail)
+            if ev.seq < 0:
+                # Info event (seq -1) from prefill: how much of the prompt the prefix cache
+                # served. It carries no tokens and does not end the stream.
+                sub.cached_tokens = max(sub.cached_tokens, ev.cached_tokens)
+                continue
             pending[ev.seq] = ev
             sub.got_first_token = True
             while expected_seq in pending:

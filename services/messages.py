@@ -191,7 +191,9 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
 class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     """Decode (or a failing worker) -> gateway on tokens_subject(request_id).
 
-    `finish` set means the stream is over; `fail_code` set means it failed.
+    `finish` set means the stream is over; `fail_code` set means it failed. `seq` -1 marks
+    an info event from prefill (only `cached_tokens` set) that neither carries tokens nor
+    ends the stream.
     """
 
     request_id: str
