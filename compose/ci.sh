@@ -1,0 +1,252 @@
+#!/usr/bin/env bash
+# make test-compose: the lab compose stack, for real, on this machine.
+#
+# Starts a private dockerd (no bridge, no iptables: every packet stays on loopback), builds a
+# Debian 12 base image with debootstrap (no image registry is reachable here), builds the
+# project image from wheels prepared on the host, brings up docker-compose.yml +
+# docker-compose.ci.yml (host networking, NATS from the project image), waits until every
+# container is healthy, serves one completion and one over-capacity 400 through the gateway,
+# then takes everything down. Exits non-zero on any failure (a wrong command or healthcheck
+# leaves a container exited or unhealthy, and the run fails), and leaves nothing running.
+#
+# Environment:
+#   PDMESH_COMPOSE_CACHE  base image tarball, wheels and dockerd data root are kept here
+#                         between runs (default /var/cache/pdmesh-compose)
+#   PDMESH_COMPOSE_EXTRA  extra compose override file(s), colon-separated (fault injection,
+#                         see tests/compose/faults/)
+#   PDMESH_PYTHON         python with pip used to prepare the wheels (default .venv/bin/python)
+#   PDMESH_COMPOSE_TIMEOUT_S  seconds to wait for every container to be healthy (default 180)
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache=${PDMESH_COMPOSE_CACHE:-/var/cache/pdmesh-compose}
+python=${PDMESH_PYTHON:-$repo/.venv/bin/python}
+healthy_timeout_s=${PDMESH_COMPOSE_TIMEOUT_S:-180}
+base_image=pdmesh-base:bookworm
+image=pdmesh:ci
+# The CI override's gateway port (see compose/generate.py: CI_PORT_OFFSET).
+gateway_url=http://127.0.0.1:18000
+api_key=ci-key
+docker=/usr/bin/docker          # Debian's CLI, matched to its dockerd (not another on PATH)
+
+mkdir -p "$cache"
+work=$(mktemp -d /tmp/pdmesh-compose.XXXXXX)
+export DOCKER_HOST=unix://$work/docker.sock
+export COMPOSE_PROJECT_NAME=pdmesh-ci
+export PDMESH_IMAGE=$image
+export PDMESH_SECRETS_DIR=$work/secrets
+export DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
+
+compose_files=(-f "$repo/compose/docker-compose.yml" -f "$repo/compose/docker-compose.ci.yml")
+if [[ -n ${PDMESH_COMPOSE_EXTRA:-} ]]; then
+  IFS=: read -ra extra <<< "$PDMESH_COMPOSE_EXTRA"
+  for f in "${extra[@]}"; do compose_files+=(-f "$(cd "$(dirname "$f")" && pwd)/$(basename "$f")"); done
+fi
+compose() { docker-compose --project-directory "$repo/compose" "${compose_files[@]}" "$@"; }
+stack() { docker-compose --project-directory "$repo/compose" -f "$work/stack.yml" "$@"; }
+
+t_start=$(date +%s)
+step_name=""
+step_t0=0
+step() {
+  local now; now=$(date +%s)
+  if [[ -n $step_name ]]; then printf '[compose-ci] %-22s %4ds\n' "$step_name" $((now - step_t0)); fi
+  step_name=$1; step_t0=$now
+  [[ -z $step_name ]] || echo "[compose-ci] >>> $step_name"
+}
+fail() { echo "[compose-ci] FAIL: $*" >&2; exit 1; }
+
+dockerd_pid=""
+cleanup() {
+  local rc=$?
+  set +e
+  if [[ $rc -ne 0 && -S $work/docker.sock ]]; then
+    echo "[compose-ci] --- container states and logs (failure) ---" >&2
+    stack ps >&2
+    stack logs --no-color --tail=60 >&2
+  fi
+  if [[ -S $work/docker.sock && -f $work/stack.yml ]]; then
+    stack down --volumes --remove-orphans --timeout 10 >/dev/null 2>&1
+    # Anything a fault override left behind (containers of this project only).
+    ids=$($docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+    [[ -z $ids ]] || $docker rm -f $ids >/dev/null 2>&1
+  fi
+  if [[ -n $dockerd_pid ]]; then
+    kill "$dockerd_pid" 2>/dev/null
+    for _ in $(seq 50); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 0.2; done
+    kill -9 "$dockerd_pid" 2>/dev/null
+    wait "$dockerd_pid" 2>/dev/null
+  fi
+  # dockerd stops its containerd and shims; check that none of ours is left.
+  left=$(pgrep -f "$work" || true)
+  if [[ -n $left ]]; then
+    echo "[compose-ci] killing leftover processes: $left" >&2
+    kill -9 $left 2>/dev/null
+    [[ $rc -ne 0 ]] || rc=1
+  fi
+  awk -v w="$work" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r | xargs -r umount
+  rm -rf "$work"
+  step ""
+  echo "[compose-ci] total $(( $(date +%s) - t_start ))s, exit $rc"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# One run at a time per cache (the dockerd data root is not shareable).
+exec 9> "$cache/lock"
+flock -w 600 9 || fail "another compose CI run holds $cache/lock"
+
+step "host packages"
+missing=()
+command -v dockerd >/dev/null && [[ -x $docker ]] || missing+=(docker.io)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+if [[ ${#missing[@]} -gt 0 ]]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+step "start dockerd"
+mkdir -p "$cache/docker" "$work/exec" "$work/secrets"
+dockerd --data-root "$cache/docker" --exec-root "$work/exec" --pidfile "$work/dockerd.pid" \
+  -H "$DOCKER_HOST" --bridge=none --iptables=false --ip6tables=false \
+  --default-ulimit nofile=20000:20000 --default-ulimit nproc=4096:4096 \
+  > "$work/dockerd.log" 2>&1 &
+dockerd_pid=$!
+for _ in $(seq 120); do
+  $docker info >/dev/null 2>&1 && break
+  kill -0 "$dockerd_pid" 2>/dev/null || { cat "$work/dockerd.log" >&2; fail "dockerd exited"; }
+  sleep 0.5
+done
+$docker info >/dev/null 2>&1 || { tail -20 "$work/dockerd.log" >&2; fail "dockerd not ready"; }
+
+step "base image"
+if ! $docker image inspect "$base_image" >/dev/null 2>&1; then
+  if [[ ! -s $cache/base-bookworm.tar ]]; then
+    # The host's own Debian mirror (no registry hosts spelled out here).
+    mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+    [[ -n $mirror ]] || mirror=$(awk '/^deb / {print $2; exit}' /etc/apt/sources.list)
+    rootfs=$work/rootfs
+    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+      bookworm "$rootfs" "$mirror" > "$work/debootstrap.log" 2>&1 \
+      || { tail -20 "$work/debootstrap.log" >&2; fail "debootstrap"; }
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+      "$rootfs"/usr/share/doc "$rootfs"/usr/share/man "$rootfs"/usr/share/locale
+    tar -C "$rootfs" -cf "$cache/base-bookworm.tar.part" . && \
+      mv "$cache/base-bookworm.tar.part" "$cache/base-bookworm.tar"
+    rm -rf "$rootfs"
+  fi
+  $docker import "$cache/base-bookworm.tar" "$base_image" >/dev/null
+fi
+
+step "wheels"
+[[ -x $python ]] || python=python3
+"$python" - "$repo/pyproject.toml" > "$work/requirements.txt" <<'EOF'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["ucx"] + ["setuptools"]))
+EOF
+wheels=$cache/wheels
+if ! cmp -s "$work/requirements.txt" "$wheels/requirements.txt"; then
+  mkdir -p "$wheels"
+  # Host pip: its config finds torch's CPU wheel locally; this also builds any sdist.
+  "$python" -m pip wheel -q -w "$wheels" -r "$work/requirements.txt" 2> >(grep -v "is ignored" >&2)
+  cp "$work/requirements.txt" "$wheels/requirements.txt"
+fi
+
+step "build image"
+ctx=$work/context
+mkdir -p "$ctx"
+# Exactly what git would commit (tracked + untracked-not-ignored), plus the wheels.
+(cd "$repo" && git ls-files -z -co --exclude-standard | \
+  tar --null --ignore-failed-read -T - -cf - 2>/dev/null) | tar -C "$ctx" -xf -
+mkdir -p "$ctx/compose/wheels"
+ln "$wheels"/*.whl "$ctx/compose/wheels/" 2>/dev/null || cp "$wheels"/*.whl "$ctx/compose/wheels/"
+$docker build -q -f "$ctx/compose/Dockerfile" -t "$image" \
+  --build-arg BASE="$base_image" --build-arg PIP_NO_INDEX=1 "$ctx" > "$work/build.log" 2>&1 \
+  || { tail -40 "$work/build.log" >&2; fail "image build"; }
+rm -rf "$ctx"
+
+step "compose config"
+cat > "$PDMESH_SECRETS_DIR/tenants.toml" <<EOF
+[[tenant]]
+id = "ci"
+api_keys = ["$api_key"]
+EOF
+printf 'PDMESH_MESH_SECRET=%s\n' "ci-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')" \
+  > "$PDMESH_SECRETS_DIR/mesh.env"
+chmod 0644 "$PDMESH_SECRETS_DIR"/*
+# One resolved file for the run: the lab stack merged with the CI override (and any fault
+# override). docker-py refuses published ports under host networking and compose 1.29 cannot
+# reset a list from an override, so `ports` goes from host-network services (under host
+# networking the gateway listens on the host anyway).
+compose config > "$work/merged.yml"
+"$python" - "$work/merged.yml" "$work/services.txt" > "$work/stack.yml" <<'EOF'
+import sys, yaml
+doc = yaml.safe_load(open(sys.argv[1]))
+for service in doc["services"].values():
+    if service.get("network_mode") == "host":
+        service.pop("ports", None)
+# Services that `up` starts (not those behind a profile): each must end up healthy.
+with open(sys.argv[2], "w") as out:
+    out.write(" ".join(n for n, s in doc["services"].items() if not s.get("profiles")))
+yaml.safe_dump(doc, sys.stdout, sort_keys=False)
+EOF
+chmod 0600 "$work/merged.yml" "$work/stack.yml"
+
+step "compose up"
+stack up -d --no-build || fail "docker-compose up"
+
+step "all healthy"
+services=$(cat "$work/services.txt")
+deadline=$(( $(date +%s) + healthy_timeout_s ))
+while :; do
+  waiting=()
+  for svc in $services; do
+    ids=$(stack ps -q "$svc")
+    [[ -n $ids ]] || fail "service $svc has no container"
+    for id in $ids; do
+      state=$($docker inspect -f '{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}' "$id")
+      case $state in
+        "running healthy") ;;
+        "running starting") waiting+=("$svc") ;;
+        "running none") fail "service $svc has no healthcheck" ;;
+        *) fail "service $svc is '$state'" ;;
+      esac
+    done
+  done
+  [[ ${#waiting[@]} -eq 0 ]] && break
+  (( $(date +%s) < deadline )) || fail "not healthy after ${healthy_timeout_s}s: ${waiting[*]}"
+  sleep 1
+done
+
+step "requests"
+curl -fsS "$gateway_url/ready" >/dev/null || fail "gateway /ready"
+code=$(curl -sS -o "$work/ok.json" -w '%{http_code}' -H "Authorization: Bearer $api_key" \
+  -H 'Content-Type: application/json' "$gateway_url/v1/completions" \
+  -d '{"model":"tiny","prompt":"hello","max_tokens":4}')
+echo "[compose-ci] completion: HTTP $code $(head -c 400 "$work/ok.json")"
+[[ $code == 200 ]] || fail "completion returned $code"
+"$python" - "$work/ok.json" <<'EOF' || fail "completion body"
+import json, sys
+body = json.load(open(sys.argv[1]))
+choice = body["choices"][0]
+assert isinstance(choice["text"], str), body
+assert body["usage"]["completion_tokens"] >= 1, body
+EOF
+# Over capacity: prompt + max_tokens above the served context must be refused up front.
+code=$(curl -sS -o "$work/big.json" -w '%{http_code}' -H "Authorization: Bearer $api_key" \
+  -H 'Content-Type: application/json' "$gateway_url/v1/completions" \
+  -d '{"model":"tiny","prompt":"hello","max_tokens":1000000}')
+echo "[compose-ci] over capacity: HTTP $code $(head -c 400 "$work/big.json")"
+[[ $code == 400 ]] || fail "over-capacity request returned $code, want 400"
+grep -q context_length_exceeded "$work/big.json" || fail "400 without context_length_exceeded"
+
+step "compose down"
+stack down --volumes --remove-orphans --timeout 20
+left=$($docker ps -aq)
+[[ -z $left ]] || fail "containers left after down: $left"
+step ""
+echo "[compose-ci] OK"
