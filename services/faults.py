@@ -14,6 +14,8 @@ Faults (name: what happens):
   faults on this request's KV frames.
 - `stall`: prefill pauses 0.5 s before its second frame (time to kill it mid-transfer).
 - `silent_prefill`: prefill fails without telling decode (decode's deadline is the backstop).
+- `prefill_reject`: prefill's own gate refuses a request admission admitted (asymmetric
+  rejection: decode must free its lease at once, not after a transfer timeout).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ REQUEST_FAULTS = "request_faults"
 DATA_PLANE = ("corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
               "reorder_frames", "commit_first", "truncate", "reset", "stall", "stale_epoch",
               "foreign_reservation")
-CONTROL = ("bypass_admission", "stub_transfer", "silent_prefill")
+CONTROL = ("bypass_admission", "stub_transfer", "silent_prefill", "prefill_reject")
 ALL = DATA_PLANE + CONTROL
 
 

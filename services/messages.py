@@ -244,6 +244,7 @@ class StatsReply(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
     # Requests this worker has heard of (bounded, newest last): lets tests prove that a
     # rejected request reached no worker (I1).
     request_ids: list[str] = []
+    pid: int = 0
 
 
 ControlMessage = (

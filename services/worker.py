@@ -12,6 +12,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -138,12 +139,18 @@ class WorkerBase:
             integrity_error = str(exc)
         counters = self.counters()
         counters["tickets_refused"] = counter_total(self.ticket_refusals)
+        ts = self.transport.stats
+        counters.update({"transport_transfers_committed": ts.transfers_committed,
+                         "transport_transfers_failed": ts.transfers_failed,
+                         "transport_bytes_drained": ts.bytes_drained})
+        for reason, n in ts.frames_rejected.items():
+            counters[f"frames_rejected_{reason.name.lower()}"] = n
         return m.StatsReply(
             worker_id=self.cfg.worker_id, role=self.role, counters=counters,
             leased_pages=self.pool.num_leased_pages, free_pages=self.pool.num_free_pages,
             total_pages=self.pool.num_pages, live_leases=len(self.pool.live_leases()),
             integrity_ok=not integrity_error, integrity_error=integrity_error,
-            request_ids=list(self.seen_requests))
+            request_ids=list(self.seen_requests), pid=os.getpid())
 
 
 async def run_worker(worker: WorkerBase) -> None:

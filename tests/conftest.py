@@ -25,5 +25,6 @@ def nats_server() -> Iterator[NatsServer]:
 @pytest.fixture(scope="session")
 def live_mesh() -> Iterator[Mesh]:
     with run_mesh("--kv-tokens", str(LIVE_MESH_KV_TOKENS),
-                  env=mesh_env(PDMESH_ALLOW_FAULTS="1")) as mesh:
+                  env=mesh_env(PDMESH_ALLOW_FAULTS="1", PDMESH_FAULTS="request_faults",
+                               PDMESH_TRANSFER_DEADLINE_S="5")) as mesh:
         yield mesh

@@ -98,6 +98,8 @@ class PrefillService(WorkerBase):
             await self._give_up(d, m.FailCode.TICKET_INVALID, str(exc), "ticket_refused")
             return
         problem = self._recheck(d)
+        if self.request_faults and d.fault == "prefill_reject":
+            problem = "test fault prefill_reject: prefill refuses what admission admitted"
         if problem:
             await self._give_up(d, m.FailCode.PREFILL_REJECTED, problem, "rejected")
             return
