@@ -73,6 +73,9 @@ def cmd_up(argv: Sequence[str]) -> int:
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
     parser.add_argument("--quiet", action="store_true", help="do not echo service logs")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="keep the mesh up when one service exits (fault-injection tests "
+                        "kill workers on purpose); default: stop everything")
     args = parser.parse_args(argv)
     try:
         cfg = resolve("gateway", args)
@@ -85,7 +88,8 @@ def cmd_up(argv: Sequence[str]) -> int:
         if s.field in UP_FLAGS and s.field not in ("nats_url", "gateway_port"):
             env[s.env] = str(getattr(cfg, s.field))
     launcher = Launcher(nats_url=cfg.nats_url, gateway_port=cfg.gateway_port,
-                        prefill=args.prefill, decode=args.decode, env=env, quiet=args.quiet)
+                        prefill=args.prefill, decode=args.decode, env=env, quiet=args.quiet,
+                        keep_going=args.keep_going)
     try:
         return asyncio.run(run_up(launcher))
     except PdmeshError as exc:

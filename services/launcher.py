@@ -76,12 +76,13 @@ class Launcher:
     """Owns the child processes; `stop()` is idempotent and leaves nothing running."""
 
     def __init__(self, *, nats_url: str, gateway_port: int, prefill: int, decode: int,
-                 env: dict[str, str], quiet: bool = False) -> None:
+                 env: dict[str, str], quiet: bool = False, keep_going: bool = False) -> None:
         self.nats_url = nats_url
         self.gateway_port = gateway_port
         self.prefill, self.decode = prefill, decode
         self.env = env
         self.quiet = quiet
+        self.keep_going = keep_going  # keep serving when a service exits (fault tests)
         self.children: list[Child] = []
         self.nats: Child | None = None
         self.specs: list[ServiceSpec] = []
@@ -210,6 +211,9 @@ async def run_up(launcher: Launcher) -> int:
         start.result()
         print(f"pdmesh: mesh ready: http://127.0.0.1:{launcher.gateway_port}/v1 "
               f"(NATS {launcher.nats_url}); Ctrl-C to stop", flush=True)
+        if launcher.keep_going:
+            await stop.wait()
+            return 0
         exited = asyncio.ensure_future(launcher.wait_any_exit())
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({exited, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,0 +1,135 @@
+"""Admission and handoff guards on the running mesh (I1, I5, I6, ticket checks)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services import messages as m
+from tests.isolation.meshstats import counter, worker_stats
+from tests.meshproc import Mesh
+from tests.oracle import expected_text
+
+pytestmark = pytest.mark.slow
+
+WORK_COUNTERS = [(m.Role.DECODE, "reservations"), (m.Role.DECODE, "transfers"),
+                 (m.Role.PREFILL, "dispatches"), (m.Role.PREFILL, "bootstraps"),
+                 (m.Role.PREFILL, "transfers")]
+
+
+def _work(mesh: Mesh) -> dict[tuple[m.Role, str], float]:
+    stats = worker_stats(mesh.nats_url)
+    return {(role, name): counter(stats, role, name) for role, name in WORK_COUNTERS}
+
+
+def test_over_capacity_prompt_is_rejected_before_any_worker_hears_of_it(mesh: Mesh) -> None:
+    """I1: 400 context_length_exceeded, and zero reservations, bootstraps and transfers."""
+    before = _work(mesh)
+    prompt = "x" * (mesh.max_context + 10)  # the live (clamped) context, not the configured
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 4})
+    assert status == 400, body
+    assert body["error"]["code"] == "context_length_exceeded"
+    # Prompt fits, prompt + max_tokens does not: still rejected up front.
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": "y" * (mesh.max_context - 20), "max_tokens": 64})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert _work(mesh) == before, "a rejected request reached a worker"
+
+
+def test_capacity_audit_clamps_to_the_real_pool(mesh: Mesh) -> None:
+    """I5: tiny is configured for 16384 tokens but the pools hold 4096: served is clamped."""
+    assert mesh.max_context == 4096
+    import asyncio
+
+    import nats
+
+    async def beats() -> list[m.Heartbeat]:
+        nc = await nats.connect(mesh.nats_url)
+        got: list[m.Heartbeat] = []
+        dec = m.Decoder(m.Heartbeat)
+
+        async def cb(msg) -> None:  # noqa: ANN001
+            got.append(dec.decode(msg.subject, msg.data))
+
+        await nc.subscribe(m.HEARTBEAT_WILDCARD, cb=cb)
+        await asyncio.sleep(1.2)
+        await nc.close()
+        return got
+
+    workers = {b.worker_id: b for b in asyncio.run(beats())}
+    assert workers
+    for b in workers.values():
+        assert b.configured_context == 16384
+        assert b.pool_capacity_tokens == 4096
+        assert b.served_context == 4096 and b.capacity_mismatch
+
+
+def test_asymmetric_prefill_rejection_frees_decode_within_a_second(mesh: Mesh) -> None:
+    """I6: prefill refuses what admission admitted; decode lets go at once (no timeout)."""
+    t0 = time.monotonic()
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": "asymmetric " * 40, "max_tokens": 8},
+        headers={"X-Pdmesh-Fault": "prefill_reject"})
+    elapsed = time.monotonic() - t0
+    assert status == 502, body
+    assert "prefill_rejected" in body["error"]["code"]
+    # The transfer deadline of this mesh is 5 s: answering in < 1 s proves that decode
+    # was told, not timed out.
+    assert elapsed < 1.0, elapsed
+    stats = worker_stats(mesh.nats_url, listen_s=0.6)
+    assert all(s.live_leases == 0 for s in stats.values()), stats
+
+
+def test_silent_prefill_failure_is_bounded_by_the_transfer_deadline(mesh: Mesh) -> None:
+    """Backstop: even a prefill that never tells decode cannot pin decode's pages forever."""
+    t0 = time.monotonic()
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": "silent " * 20, "max_tokens": 8},
+        headers={"X-Pdmesh-Fault": "silent_prefill"})
+    elapsed = time.monotonic() - t0
+    assert status == 502, body
+    assert 4.0 < elapsed < 9.0, elapsed  # the 5 s transfer deadline, not a hang
+
+
+def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
+    """Only admission can sign a ticket: a reserve with a forged one gets no pages."""
+    import asyncio
+
+    import msgspec
+    import nats
+
+    from services.tickets import sign
+
+    decode = next(s for s in worker_stats(mesh.nats_url).values() if s.role is m.Role.DECODE)
+
+    async def reserve(ticket: m.AdmittedTicket) -> m.ReserveReply:
+        nc = await nats.connect(mesh.nats_url)
+        try:
+            reply = await nc.request(m.reserve_subject(decode.worker_id),
+                                     m.encode(m.ReserveRequest(ticket=ticket)), timeout=3)
+            return m.Decoder(m.ReserveReply).decode("reserve", reply.data)
+        finally:
+            await nc.close()
+
+    args = {"request_id": "forged-1", "tenant": "mallory", "cache_salt": "x", "prompt_len": 8,
+            "max_tokens": 4, "prefill_worker": "p", "decode_worker": decode.worker_id,
+            "ttl_s": 30.0}
+    wrong_key = sign("not-the-mesh-secret", **args)  # type: ignore[arg-type]
+    got = asyncio.run(reserve(wrong_key))
+    assert not got.ok and "bad signature" in got.error
+    tampered = msgspec.structs.replace(sign("pdmesh-dev-secret-change-me", **args),  # type: ignore[arg-type]
+                                       prompt_len=1)
+    got = asyncio.run(reserve(tampered))
+    assert not got.ok and "bad signature" in got.error
+    after = worker_stats(mesh.nats_url)[decode.worker_id]
+    assert after.counters["tickets_refused"] >= 2
+    assert after.live_leases == 0
+
+
+def test_mesh_still_serves_the_oracle_after_the_faults(mesh: Mesh) -> None:
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": "still correct", "max_tokens": 10, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected_text("still correct", 10)
