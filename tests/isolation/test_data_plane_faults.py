@@ -1,0 +1,65 @@
+"""Data-plane threats on the running mesh: every faulty transfer fails *that* request
+cleanly (error to the client, pages freed) and never produces a 200 with other KV (I3)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.isolation.meshstats import counter, worker_stats
+from tests.meshproc import Mesh
+from tests.oracle import expected_text
+
+from services import messages as m
+
+pytestmark = pytest.mark.slow
+
+# A prompt of several pages (16 tokens each) so reorder/drop/truncate have frames to hit.
+PROMPT = "the quick brown fox jumps over the lazy dog; " * 4
+
+FAULTS = ["corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
+          "reorder_frames", "commit_first", "truncate", "reset", "stale_epoch",
+          "foreign_reservation", "stub_transfer"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_faulty_transfer_fails_only_that_request(mesh: Mesh, fault: str) -> None:
+    before = counter(worker_stats(mesh.nats_url), m.Role.DECODE, "generated_tokens")
+    t0 = time.monotonic()
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        headers={"X-Pdmesh-Fault": fault})
+    elapsed = time.monotonic() - t0
+    assert status == 502, (fault, body)
+    assert body["error"]["code"] == "transfer_failed", body
+    # Failed on evidence, not on a timeout (the mesh's transfer deadline is 5 s).
+    assert elapsed < 3.0, (fault, elapsed)
+    # Decode never generated a token from the unverified KV (it never attended over it).
+    assert counter(worker_stats(mesh.nats_url), m.Role.DECODE, "generated_tokens") == before
+    # A concurrent-free follow-up on the same (LIFO-reused) pages is exactly right.
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected_text(PROMPT, 8)
+
+
+def test_streamed_reply_reports_a_transfer_failure_as_an_error_event(mesh: Mesh) -> None:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"{mesh.base_url}/completions", method="POST",
+        data=json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 8,
+                         "stream": True}).encode(),
+        headers={"Authorization": "Bearer sk-dev-alice", "Content-Type": "application/json",
+                 "X-Pdmesh-Fault": "corrupt_payload"})
+    with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310
+        events = [line[6:] for line in resp.read().decode().splitlines()
+                  if line.startswith("data: ")]
+    assert events and "[DONE]" not in events
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "transfer_failed"
+    # No text was streamed before the error: the KV never verified, decode never ran.
+    assert all("error" in json.loads(e) or not json.loads(e)["choices"][0].get("text")
+               for e in events)
