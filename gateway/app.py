@@ -41,6 +41,7 @@ _REJECT_STATUS = {
     m.RejectReason.NO_WORKERS: (503, "no_workers"),
 }
 _FINISH = {m.FinishReason.STOP: "stop", m.FinishReason.LENGTH: "length"}
+STREAM_STARTED = "pdmesh.stream_started"  # request key: SSE headers already sent
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -108,7 +109,15 @@ class Gateway:
             err = ApiError(exc.status, exc.reason if exc.status != 413 else
                            f"request body exceeds {self.cfg.max_body_bytes} bytes",
                            code=code)
-            return web.json_response(err.body(), status=exc.status)
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return web.json_response(err.body(), status=exc.status, headers=allow)
+        except Exception:
+            if request.get(STREAM_STARTED):
+                raise  # the SSE headers are out: aiohttp can only drop the connection
+            log.exception("gateway: unexpected error on %s %s", request.method, request.path)
+            err = ApiError(500, "internal error in the gateway", type_="server_error",
+                           code="internal_error")
+            return web.json_response(err.body(), status=500)
 
     # -- endpoints ----------------------------------------------------------------------
     def _auth(self, request: web.Request) -> Tenant:
@@ -234,6 +243,7 @@ class _Generation:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
             await resp.prepare(self.request)
+            self.request[STREAM_STARTED] = True
             self.response = resp
             if self.chat:
                 await self._send(self._chunk({"role": "assistant", "content": ""}, None))

@@ -8,6 +8,7 @@ otherwise refused with a clear 400, never silently ignored.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -68,9 +69,13 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+    # Unknown fields are tolerated here on purpose: clients echo assistant messages back
+    # with whatever the response carried (refusal, audio, annotations: all null here).
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Any = None  # known and unsupported: refused when present
+    function_call: Any = None
 
 
 class ChatBody(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -91,11 +96,21 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes) -> Any:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:
         msg = str(exc)
-        param = msg.rsplit("at `$.", 1)[1].rstrip("`").split(".")[0].split("[")[0] \
-            if "at `$." in msg else None
+        param = _param_of(msg)
+        if msg.startswith("Object contains unknown field") and "at `$" not in msg:
+            raise ApiError(400, f"Unrecognized request argument supplied: {param}",
+                           param=param) from None
         raise ApiError(400, f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _param_of(msg: str) -> str | None:
+    """The top-level request field a msgspec validation message is about, if any."""
+    if "at `$." in msg:
+        return msg.rsplit("at `$.", 1)[1].rstrip("`").split(".")[0].split("[")[0]
+    found = re.search(r"field `([^`]+)`", msg)
+    return found.group(1) if found else None
 
 
 def parse_completion(raw: bytes) -> CompletionBody:
@@ -127,6 +142,11 @@ def parse_chat(raw: bytes) -> ChatBody:
             raise ApiError(400, f"unknown message role {msg.role!r}", param="messages")
         if isinstance(msg.content, list) and any(p.type != "text" for p in msg.content):
             raise ApiError(400, "only text content parts are supported", param="messages")
+        if msg.content is None and msg.role != "assistant":
+            raise ApiError(400, f"a {msg.role!r} message needs 'content'", param="messages")
+        if msg.tool_calls or msg.function_call:
+            raise ApiError(400, "tool and function calls are not supported",
+                           param="messages")
     if body.max_completion_tokens is not None:
         if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens disagree",
@@ -156,7 +176,8 @@ def _check_common(body: _Common) -> None:
             raise ApiError(400, f"'{name}' is not supported", param=name)
     if body.logit_bias:
         raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
-    if body.logprobs not in (None, False) or body.top_logprobs:
+    # `is` on purpose: logprobs=0 on completions asks for the sampled token's logprob.
+    if (body.logprobs is not None and body.logprobs is not False) or body.top_logprobs:
         raise ApiError(400, "logprobs are not supported", param="logprobs")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true",
