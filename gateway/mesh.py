@@ -60,6 +60,18 @@ class MeshClient:
         self.rt = rt
         self.submit_timeout_s = submit_timeout_s
         self._decoder = m.Decoder(m.TokenEvent)
+        self._inflight: dict[str, Submission] = {}
+        rt.on_reconnect(self._fail_inflight)
+
+    def _fail_inflight(self) -> None:
+        """After a NATS reconnect, token events published while we were away are lost
+        (NATS core is at-most-once), so an in-flight stream could wait forever for a
+        missing seq: end every in-flight request with a clean error instead; the abort that
+        follows frees its pages everywhere."""
+        for sub in self._inflight.values():
+            sub.events.put_nowait(m.TokenEvent(
+                request_id=sub.request_id, seq=-2, fail_code=m.FailCode.INTERNAL,
+                detail="control plane connection was interrupted; retry the request"))
 
     @contextlib.asynccontextmanager
     async def submit(self, req: m.SubmitRequest) -> AsyncIterator[Submission]:
@@ -74,6 +86,7 @@ class MeshClient:
                 log.warning("gateway: %s", exc)
 
         sub = await self.rt.nc.subscribe(m.tokens_subject(req.request_id), cb=on_msg)
+        self._inflight[req.request_id] = sub_state
         try:
             try:
                 reply = await self.rt.request(m.SUBMIT_SUBJECT, req, m.SubmitReply,
@@ -87,6 +100,7 @@ class MeshClient:
             sub_state.prefill_worker = reply.prefill_worker
             yield sub_state
         finally:
+            self._inflight.pop(req.request_id, None)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             if not sub_state.finished:
@@ -103,26 +117,32 @@ class MeshClient:
 
         Raises MeshFailed (a worker failed, or one serving this request stopped
         heartbeating: `dead_worker`), TimeoutError (deadline) or ClientGone (`alive` turned
-        false). Both are checked every `POLL_S` even while no token arrives, so a client
-        that leaves or a worker killed mid-stream is noticed without waiting the deadline.
+        false). Both are checked every `POLL_S` whether or not tokens are flowing: a client
+        that leaves a non-streaming request (nothing is written to it until the end) or a
+        worker killed mid-stream is noticed at once, not after max_tokens or the deadline.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_s
+        next_check = loop.time() + POLL_S
         expected_seq = 0
         pending: dict[int, m.TokenEvent] = {}
         while True:
-            remaining = deadline - loop.time()
+            now = loop.time()
+            remaining = deadline - now
             if remaining <= 0:
                 raise TimeoutError(f"request {sub.request_id} exceeded {deadline_s:g}s")
-            try:
-                ev = await asyncio.wait_for(sub.events.get(), min(remaining, POLL_S))
-            except TimeoutError:
+            if now >= next_check:
+                next_check = now + POLL_S
                 if not alive():
-                    raise ClientGone(sub.request_id) from None
-                gone = dead_worker(sub)
+                    raise ClientGone(sub.request_id)
+                # Only with nothing queued: a worker may finish and then go away.
+                gone = dead_worker(sub) if sub.events.empty() else ""
                 if gone:
                     raise MeshFailed(m.FailCode.PEER_RELEASED,
-                                     f"worker {gone} stopped heartbeating") from None
+                                     f"worker {gone} stopped heartbeating")
+            try:
+                ev = await asyncio.wait_for(sub.events.get(), min(remaining, next_check - now))
+            except TimeoutError:
                 continue
             if ev.fail_code is not None:
                 # Not marked finished: the abort that follows makes sure the other side
