@@ -65,6 +65,7 @@ class ServiceRuntime:
         self._closed = asyncio.Event()
         self._drain_lock = asyncio.Lock()
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._reconnect_hooks: list[Callable[[], None]] = []
         self.http_port = cfg.http_port
         self.app = web.Application()
         self.app.router.add_get("/health", self._health)
@@ -148,6 +149,15 @@ class ServiceRuntime:
     async def _on_reconnect(self) -> None:
         self.nats_connected.labels(self.role).set(1)
         log.warning("%s: reconnected to NATS", self.role)
+        for hook in list(self._reconnect_hooks):
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - one hook must not stop the others
+                log.exception("%s: reconnect hook failed", self.role)
+
+    def on_reconnect(self, hook: Callable[[], None]) -> None:
+        """Run `hook` (synchronous, quick) after every NATS reconnect."""
+        self._reconnect_hooks.append(hook)
 
     def mark_ready(self) -> None:
         self._set_state(ServiceState.READY)

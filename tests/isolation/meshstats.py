@@ -41,6 +41,27 @@ async def _stats(nats_url: str, listen_s: float) -> dict[str, m.StatsReply]:
         await nc.close()
 
 
+async def _query(nats_url: str, workers: list[tuple[m.Role, str]]) -> list[m.StatsReply]:
+    nc = await nats.connect(nats_url)
+    out = []
+    try:
+        dec = m.Decoder(m.StatsReply)
+        for role, wid in workers:
+            try:
+                reply = await nc.request(m.stats_subject(role.value, wid), b"", timeout=1)
+            except Exception:  # noqa: BLE001 - a worker that just died has no stats
+                continue
+            out.append(dec.decode("stats", reply.data))
+        return out
+    finally:
+        await nc.close()
+
+
+def query_stats(nats_url: str, workers: list[tuple[m.Role, str]]) -> list[m.StatsReply]:
+    """Ask known workers directly (no heartbeat listening: milliseconds, not a second)."""
+    return asyncio.run(_query(nats_url, workers))
+
+
 def worker_stats(nats_url: str, listen_s: float = 1.2) -> dict[str, m.StatsReply]:
     """StatsReply of every prefill/decode worker heard heartbeating within `listen_s`."""
     return asyncio.run(_stats(nats_url, listen_s))

@@ -1,0 +1,150 @@
+"""Workers killed (kill -9) mid-transfer and mid-stream, and nats-server restarted under load:
+the client gets an error (never a hang past the deadline, never another request's tokens),
+the surviving side frees its pages, and the mesh serves correctly afterwards."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from services import messages as m
+from tests.isolation.meshstats import assert_pools_clean, by_role, query_stats, worker_stats
+from tests.meshproc import Mesh, NatsServer, mesh_env, run_mesh
+from tests.oracle import expected_text
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    server = NatsServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def big_mesh(nats: NatsServer) -> Iterator[Mesh]:
+    env = mesh_env(PDMESH_ALLOW_FAULTS="1", PDMESH_FAULTS="request_faults",
+                   PDMESH_TRANSFER_DEADLINE_S="5")
+    with run_mesh("--nats-url", nats.url, "--keep-going", "--prefill", "2", "--decode", "2",
+                  "--kv-tokens", "4096", env=env, ready_timeout=180) as mesh:
+        mesh.nats_url = nats.url
+        yield mesh
+
+
+def _open_stream(mesh: Mesh, body: dict, fault: str = "") -> tuple[object, str]:
+    headers = {"Authorization": "Bearer sk-dev-alice", "Content-Type": "application/json"}
+    if fault:
+        headers["X-Pdmesh-Fault"] = fault
+    req = urllib.request.Request(f"{mesh.base_url}/chat/completions", method="POST",
+                                 data=json.dumps({**body, "stream": True}).encode(),
+                                 headers=headers)
+    resp = urllib.request.urlopen(req, timeout=30)  # noqa: S310
+    first = resp.readline()
+    while not first.startswith(b"data: "):
+        first = resp.readline()
+    return resp, json.loads(first[6:])["id"]
+
+
+def _rest(resp: object) -> list[dict]:
+    events = []
+    for raw in resp:  # type: ignore[attr-defined]
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def _workers(mesh: Mesh, role: m.Role) -> list[tuple[m.Role, str]]:
+    return [(role, s.worker_id) for s in by_role(worker_stats(mesh.nats_url), role)]
+
+
+def _holder(mesh: Mesh, workers: list[tuple[m.Role, str]], rid: str) -> m.StatsReply:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for s in query_stats(mesh.nats_url, workers):
+            if rid in s.request_ids:
+                return s
+    raise AssertionError(f"no worker of {workers} heard of {rid}")
+
+
+def _serves_correctly(mesh: Mesh) -> None:
+    deadline = time.monotonic() + 20
+    status, body = 0, {}
+    while time.monotonic() < deadline:
+        status, body = mesh.http("POST", "/v1/completions", {
+            "model": "tiny", "prompt": "after the loss", "max_tokens": 6, "temperature": 0})
+        if status == 200:
+            break
+        time.sleep(0.5)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected_text("after the loss", 6)
+
+
+def test_prefill_killed_mid_transfer(big_mesh: Mesh) -> None:
+    """kill -9 the prefill while its transfer is stalled half-way: decode fails the
+    reservation on its own (peer lost) and frees the pages; the client gets an error."""
+    prefills = _workers(big_mesh, m.Role.PREFILL)
+    resp, rid = _open_stream(big_mesh, {"model": "tiny", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "killed mid transfer " * 6}]}, fault="stall")
+    victim = _holder(big_mesh, prefills, rid)
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    events = _rest(resp)
+    assert time.monotonic() - t0 < 8.0
+    assert events and "error" in events[-1], events[-3:]
+    assert not any(e.get("choices") and e["choices"][0]["delta"].get("content")
+                   for e in events)
+    time.sleep(3.5)  # admission drops the dead worker after its heartbeat TTL
+    assert_pools_clean(big_mesh.nats_url)
+    _serves_correctly(big_mesh)
+
+
+def test_decode_killed_mid_stream(big_mesh: Mesh) -> None:
+    """kill -9 the decode worker while it streams: the gateway notices the missing
+    heartbeats and ends the stream with an error instead of hanging."""
+    decodes = _workers(big_mesh, m.Role.DECODE)
+    resp, rid = _open_stream(big_mesh, {"model": "tiny", "max_tokens": 1500, "messages": [
+        {"role": "user", "content": "killed mid stream"}]})
+    victim = _holder(big_mesh, decodes, rid)
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    events = _rest(resp)
+    assert time.monotonic() - t0 < 10.0
+    assert events and "error" in events[-1], events[-3:]
+    time.sleep(3.5)
+    assert_pools_clean(big_mesh.nats_url)
+    _serves_correctly(big_mesh)
+
+
+def test_nats_restart_mid_load(big_mesh: Mesh, nats: NatsServer) -> None:
+    """Requests in flight while nats-server restarts either finish with the right tokens
+    or fail cleanly; afterwards the mesh serves the oracle's answer again."""
+    prompts = [f"load {i} " * (5 + i) for i in range(6)]
+
+    def one(prompt: str) -> tuple[int, dict]:
+        return big_mesh.http("POST", "/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0},
+            timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = {pool.submit(one, p): p for p in prompts}
+        time.sleep(0.3)
+        nats.stop()
+        time.sleep(2)
+        nats.start()
+        results = [(futures[f], *f.result()) for f in futures]
+    for prompt, status, body in results:
+        if status == 200:
+            assert body["choices"][0]["text"] == expected_text(prompt, 24), prompt
+        else:
+            assert 500 <= status < 600 and "error" in body, (status, body)
+    _serves_correctly(big_mesh)
+    assert_pools_clean(big_mesh.nats_url, timeout_s=10)
