@@ -262,6 +262,7 @@ class Tally:
         self.oracle[verdict.oracle] += 1
         if plan.over_capacity and not plan.fault:
             c["over_capacity"] += 1
+            c["correct_rejections"] += verdict.outcome == "rejected"
         if plan.fault:
             c["faults_injected"] += 1
             self.faults[plan.fault]["injected"] += 1
@@ -297,6 +298,7 @@ class Tally:
             "aborted": self.outcomes["aborted"],
             "failed": self.outcomes["failed"],
             "over_capacity": c["over_capacity"],
+            "correct_rejections": c["correct_rejections"],
             "faults_injected": c["faults_injected"],
             "oracle_checked": oracle["match"] + oracle["mismatch"],
             "oracle_prefix_checked": oracle["prefix_match"] + oracle["prefix_mismatch"],
