@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,15 @@ def test_gateway_is_the_only_published_port() -> None:
     published = {name for name, svc in _load(LAB)["services"].items()
                  if svc.get("ports") and not svc.get("profiles")}
     assert published == {"gateway"}
+
+
+def test_dockerfile_copies_every_packaged_module() -> None:
+    """The image copies the project module by module (no .venv, no .git in a layer): a new
+    package in pyproject.toml must get its COPY line too."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    wanted = [p.rstrip("*") for p in setuptools["packages"]["find"]["include"]]
+    wanted += [f"{m}.py" for m in setuptools.get("py-modules", [])]
+    copies = [line.split()[1:-1] for line in (COMPOSE / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ") and "--from" not in line]
+    copied = {src for srcs in copies for src in srcs}
+    assert not [w for w in wanted if w not in copied], f"Dockerfile misses {wanted}"
