@@ -17,6 +17,10 @@ class Lease:
     read/write checks even if it names the right pages. `page_written[i]` is how many tokens
     of page i this lease has written (from the start of the page); the pool keeps its own
     authoritative copy and checks that one.
+
+    `page_shared[i]` is True when page i is a prefix-cache page this lease has pinned (read
+    only, never written through this lease). `cached_tokens` is how many leading tokens came
+    from the cache at allocation (the prefill computes only the rest).
     """
 
     lease_id: str
@@ -27,7 +31,9 @@ class Lease:
     page_size: int
     pool_id: str
     page_written: list[int] = field(init=False)
+    cached_tokens: int = 0
     release_cause: str | None = field(init=False, default=None)
+    page_shared: list[bool] = field(init=False)
     _live: bool = field(init=False, default=True, repr=False)
     # Cached index forms of page_ids, derived here so that a copy with other page_ids
     # (dataclasses.replace) cannot carry stale indices.
@@ -37,6 +43,7 @@ class Lease:
     def __post_init__(self) -> None:
         self.page_ids = tuple(int(p) for p in self.page_ids)
         self.page_written = [0] * len(self.page_ids)
+        self.page_shared = [False] * len(self.page_ids)
         self.page_array = np.asarray(self.page_ids, dtype=np.int64)
         self.page_index = torch.tensor(self.page_ids, dtype=torch.long)
 

@@ -9,14 +9,22 @@ that epoch. Epochs are unique per allocation, so "right page, wrong epoch" (a st
 after reuse) and "someone else's page" (a foreign or forged lease) are the same cheap
 comparison. Freed pages are reused LIFO, the order in which leftovers are most dangerous.
 
-Prefix cache (later): shared read-only pages will need a refcount next to `_page_epoch`;
-the check then accepts "owned by this epoch, or shared and readable by this lease".
+Prefix cache: a page is in exactly one of three states. FREE (tag 0), LEASED (tag = the
+holding lease's epoch; only that lease reads or writes it) or CACHED (tag CACHED_EPOCH, a
+whole written page owned by the prefix cache, immutable). A lease *pins* the cached pages it
+reads (`_page_refs` counts the pins) and the pool keeps, per lease, which page ids it pinned
+(`_shared`); the read check accepts "tagged with this lease's epoch, or cached and pinned by
+this lease at this index", nothing else, and the write check accepts only the first. Only an
+unpinned cached page can be evicted back to FREE; allocation asks the cache (`reclaimer`) to
+evict when free pages run short. free + leased + cached == total, checked by
+`check_integrity`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +36,8 @@ from kvstore.scrub import ScrubPolicy, scrub_pages
 from kvstore.spec import PoolSpec
 
 FREE_EPOCH = 0
+CACHED_EPOCH = -1  # tag of a prefix-cache page (epochs of leases are >= 1)
+NOT_SHARED = -1
 
 
 @dataclass
@@ -38,6 +48,8 @@ class PoolStats:
     access_denied: int = 0
     pages_scrubbed: int = 0
     scrub_seconds: float = 0.0
+    pages_cached: int = 0
+    pages_evicted: int = 0
 
 
 class KVPool:
@@ -56,7 +68,15 @@ class KVPool:
         self._page_written = np.zeros(n, dtype=np.int64)
         self._page_generation = np.zeros(n, dtype=np.int64)
         self._page_owner: list[str | None] = [None] * n
+        self._page_refs = np.zeros(n, dtype=np.int64)  # pins of a cached page by live leases
+        self._cached = np.zeros(n, dtype=bool)
         self._leases: dict[str, Lease] = {}
+        # Per lease: at index i the cached page id it pinned there, else NOT_SHARED. The
+        # pool's own copy: a lease object naming other page ids gains nothing.
+        self._shared: dict[str, np.ndarray] = {}
+        # Called with a number of pages when an allocation finds too few free; returns how
+        # many it freed (the prefix cache evicts its LRU unpinned pages). Never frees pins.
+        self.reclaimer: Callable[[int], int] | None = None
         self._prefix_written: dict[str, int] = {}
         self._next_epoch = 1
         self.stats = PoolStats()
@@ -80,7 +100,22 @@ class KVPool:
 
     @property
     def num_leased_pages(self) -> int:
-        return self.spec.num_pages - len(self._free)
+        """Pages held by leases as their own (cached pages are counted apart)."""
+        return self.spec.num_pages - len(self._free) - self.num_cached_pages
+
+    @property
+    def num_cached_pages(self) -> int:
+        return int(self._cached.sum())
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Cached pages no live lease pins: the cache gives them back on demand."""
+        return int((self._cached & (self._page_refs == 0)).sum())
+
+    @property
+    def available_tokens(self) -> int:
+        """Tokens an allocation can get now: free pages plus evictable cached pages."""
+        return (len(self._free) + self.num_evictable_pages) * self.spec.page_size
 
     @property
     def capacity_tokens(self) -> int:
@@ -98,16 +133,42 @@ class KVPool:
         """How many times `page_id` has been released."""
         return int(self._page_generation[page_id])
 
+    def is_cached(self, page_id: int) -> bool:
+        return bool(self._cached[page_id])
+
+    def page_refs(self, page_id: int) -> int:
+        """How many live leases pin this cached page."""
+        return int(self._page_refs[page_id])
+
     # ---- allocate / release ---------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int) -> Lease:
-        """Lease pages for `num_tokens` tokens; all or nothing (PoolExhaustedError)."""
+    def allocate(self, request_id: str, num_tokens: int,
+                 shared_prefix: Sequence[int] = ()) -> Lease:
+        """Lease pages for `num_tokens` tokens; all or nothing (PoolExhaustedError).
+
+        `shared_prefix`: cached pages (whole, written) that become the lease's first pages,
+        pinned and read-only; only the remaining pages are taken from the free list
+        (evicting unpinned cached pages through `reclaimer` when too few are free)."""
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        shared = [int(p) for p in shared_prefix]
         num_pages = self.spec.pages_for(num_tokens)
-        if num_pages > len(self._free):
+        if len(shared) * self.spec.page_size > num_tokens:
+            raise ValueError(f"{len(shared)} shared pages exceed {num_tokens} tokens")
+        if len(set(shared)) != len(shared) or not all(
+                0 <= p < self.spec.num_pages and self._cached[p] for p in shared):
+            raise ValueError(f"shared prefix {shared} is not a list of distinct cached pages")
+        # Pin first, so that a reclaim for this very allocation cannot evict them.
+        for page_id in shared:
+            self._page_refs[page_id] += 1
+        own = num_pages - len(shared)
+        if own > len(self._free) and self.reclaimer is not None:
+            self.reclaimer(own - len(self._free))
+        if own > len(self._free):
+            for page_id in shared:
+                self._page_refs[page_id] -= 1
             self.stats.exhausted += 1
-            raise PoolExhaustedError(requested_pages=num_pages, free_pages=len(self._free))
-        page_ids = tuple(self._free.pop() for _ in range(num_pages))
+            raise PoolExhaustedError(requested_pages=own, free_pages=len(self._free))
+        page_ids = tuple(shared) + tuple(self._free.pop() for _ in range(own))
         epoch = self._next_epoch
         self._next_epoch += 1
         lease = Lease(
@@ -118,40 +179,93 @@ class KVPool:
             num_tokens=num_tokens,
             page_size=self.spec.page_size,
             pool_id=self.pool_id,
+            cached_tokens=len(shared) * self.spec.page_size,
         )
         if self.device.type != "cpu":
             lease.page_index = lease.page_index.to(self.device)
-        for page_id in page_ids:
+        marks = np.full(num_pages, NOT_SHARED, dtype=np.int64)
+        for index, page_id in enumerate(shared):
+            marks[index] = page_id
+            lease.page_shared[index] = True
+            lease.page_written[index] = self.spec.page_size
+        for page_id in page_ids[len(shared):]:
             self._page_epoch[page_id] = epoch
             self._page_written[page_id] = 0
             self._page_owner[page_id] = lease.lease_id
         self._leases[lease.lease_id] = lease
-        self._prefix_written[lease.lease_id] = 0
+        self._shared[lease.lease_id] = marks
+        self._prefix_written[lease.lease_id] = lease.cached_tokens
         self.stats.allocations += 1
         return lease
 
     def release(self, lease: Lease, cause: str) -> None:
-        """Return the lease's pages to the pool. Idempotent: releasing twice is a no-op."""
+        """Return the lease's own pages to the pool and unpin its cached ones. Idempotent:
+        releasing twice is a no-op."""
         if self._leases.get(lease.lease_id) is not lease:
             return  # already released, or not a lease this pool handed out
         del self._leases[lease.lease_id]
         del self._prefix_written[lease.lease_id]
+        marks = self._shared.pop(lease.lease_id)
         lease._live = False
         lease.release_cause = cause
-        for page_id in lease.page_ids:
+        owned = []
+        for page_id, mark in zip(lease.page_ids, marks.tolist(), strict=True):
+            if mark == page_id:
+                assert self._cached[page_id] and self._page_refs[page_id] > 0, page_id
+                self._page_refs[page_id] -= 1  # stays cached; the cache may evict it now
+                continue
             assert self._page_epoch[page_id] == lease.epoch, (page_id, lease.lease_id)
+            owned.append(page_id)
+        self._free_pages(owned)
+        self.stats.releases += 1
+
+    def _free_pages(self, page_ids: list[int]) -> None:
+        for page_id in page_ids:
             self._page_epoch[page_id] = FREE_EPOCH
             self._page_written[page_id] = 0
             self._page_owner[page_id] = None
             self._page_generation[page_id] += 1
         # Reversed, so the next allocation of this size gets exactly these pages in order.
-        self._free.extend(reversed(lease.page_ids))
-        if self.scrub is not ScrubPolicy.NONE:
+        self._free.extend(reversed(page_ids))
+        if self.scrub is not ScrubPolicy.NONE and page_ids:
             started = time.perf_counter()
-            scrub_pages(self.tensor, lease.page_index, self.scrub)
+            index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+            scrub_pages(self.tensor, index, self.scrub)
             self.stats.scrub_seconds += time.perf_counter() - started
-            self.stats.pages_scrubbed += lease.num_pages
-        self.stats.releases += 1
+            self.stats.pages_scrubbed += len(page_ids)
+
+    # ---- prefix cache pages -------------------------------------------------------------
+    def share(self, lease: Lease, page_index: int) -> int:
+        """Hand page `page_index` of `lease` (its own, fully written) to the prefix cache:
+        it becomes CACHED, immutable, and stays pinned by this lease until its release.
+        Returns the page id. Only the prefix cache calls this."""
+        self._check_lease(lease)
+        if not 0 <= page_index < lease.num_pages:
+            raise self._deny(lease, None, f"page index {page_index} out of range")
+        page_id = lease.page_ids[page_index]
+        if self._page_epoch[page_id] != lease.epoch:
+            raise self._deny(lease, page_id, "only a page this lease owns can be cached")
+        if self._page_written[page_id] != self.spec.page_size:
+            raise self._deny(lease, page_id, "only a fully written page can be cached")
+        self._page_epoch[page_id] = CACHED_EPOCH
+        self._page_owner[page_id] = None
+        self._cached[page_id] = True
+        self._page_refs[page_id] = 1
+        self._shared[lease.lease_id][page_index] = page_id
+        lease.page_shared[page_index] = True
+        self.stats.pages_cached += 1
+        return page_id
+
+    def evict(self, page_id: int) -> None:
+        """Free an unpinned cached page (the prefix cache's eviction). A pinned page can
+        never be evicted: that would let its reader see the next holder's KV."""
+        if not self._cached[page_id]:
+            raise ValueError(f"page {page_id} is not a cached page")
+        if self._page_refs[page_id] != 0:
+            raise ValueError(f"page {page_id} is pinned by {self._page_refs[page_id]} leases")
+        self._cached[page_id] = False
+        self._free_pages([page_id])
+        self.stats.pages_evicted += 1
 
     # ---- checked access (I2) ----------------------------------------------------------
     def _deny(self, lease: Lease, page_id: int | None, reason: str) -> LeaseAccessError:
@@ -164,21 +278,35 @@ class KVPool:
         if not lease._live:
             raise self._deny(lease, None, f"lease is released ({lease.release_cause})")
 
-    def _check_pages(self, lease: Lease, num_pages: int) -> None:
-        """Every one of the lease's first `num_pages` pages carries the lease's epoch."""
-        pages = lease.page_array[:num_pages]
-        if pages.size and not (self._page_epoch[pages] == lease.epoch).all():
-            for page_id in pages.tolist():
-                page_epoch = int(self._page_epoch[page_id])
-                if page_epoch == lease.epoch:
-                    continue
-                if page_epoch == FREE_EPOCH:
-                    reason = f"page is free (stale epoch {lease.epoch})"
-                elif page_epoch > lease.epoch:
-                    reason = f"stale epoch {lease.epoch}: page now held at epoch {page_epoch}"
-                else:
-                    reason = f"page held by another lease (epoch {page_epoch})"
-                raise self._deny(lease, page_id, reason)
+    def _check_pages(self, lease: Lease, first: int, last: int, shared_ok: bool) -> None:
+        """Every page in the lease's [first, last) carries the lease's epoch, or (only when
+        `shared_ok`, i.e. for reads) is a cached page this lease pinned at that index."""
+        pages = lease.page_array[first:last]
+        if not pages.size:
+            return
+        epochs = self._page_epoch[pages]
+        ok = epochs == lease.epoch
+        if ok.all():
+            return
+        marks = self._shared.get(lease.lease_id)
+        if shared_ok and marks is not None and len(marks) == len(lease.page_array):
+            ok |= (epochs == CACHED_EPOCH) & (marks[first:last] == pages)
+            if ok.all():
+                return
+        for page_id, page_ok in zip(pages.tolist(), ok.tolist(), strict=True):
+            if page_ok:
+                continue
+            page_epoch = int(self._page_epoch[page_id])
+            if page_epoch == FREE_EPOCH:
+                reason = f"page is free (stale epoch {lease.epoch})"
+            elif page_epoch == CACHED_EPOCH:
+                reason = ("cached page not pinned by this lease" if shared_ok
+                          else "cached page is read-only")
+            elif page_epoch > lease.epoch:
+                reason = f"stale epoch {lease.epoch}: page now held at epoch {page_epoch}"
+            else:
+                reason = f"page held by another lease (epoch {page_epoch})"
+            raise self._deny(lease, page_id, reason)
 
     def check_readable(self, lease: Lease, num_tokens: int) -> None:
         """Raise LeaseAccessError unless `lease` may read its first `num_tokens` tokens:
@@ -186,7 +314,7 @@ class KVPool:
         written all of them in this epoch. Called before every attention read; O(1) Python
         plus one vectorized compare, so it stays far below 1% of a decode step."""
         self._check_lease(lease)
-        self._check_pages(lease, -(-num_tokens // lease.page_size))
+        self._check_pages(lease, 0, -(-num_tokens // lease.page_size), shared_ok=True)
         written = self._prefix_written.get(lease.lease_id, 0)
         if num_tokens > written:
             page_index = min(written // lease.page_size, lease.num_pages - 1)
@@ -207,7 +335,7 @@ class KVPool:
         first, last = start // lease.page_size, -(-end // lease.page_size)
         pages = lease.page_array[first:last]
         if pages.size and not (self._page_epoch[pages] == lease.epoch).all():
-            self._check_pages(lease, last)
+            self._check_pages(lease, first, last, shared_ok=False)
 
     def mark_written(self, lease: Lease, page_index: int, num_tokens: int) -> None:
         """Record that page `page_index` of `lease` now holds `num_tokens` valid tokens
@@ -251,6 +379,16 @@ class KVPool:
             raise NotImplementedError("page_buffer needs a CPU pool; use page_tensor")
         return memoryview(self._byte_pages[lease.page_ids[page_index]])
 
+    def page_view(self, lease: Lease, page_index: int) -> memoryview:
+        """Read-only raw bytes of one page the lease may read: its own page holding at
+        least one written token, or a cached page it pinned (what a sender transmits)."""
+        if not 0 <= page_index < lease.num_pages:
+            raise self._deny(lease, None, f"page index {page_index} out of range")
+        self.check_readable(lease, min(page_index * lease.page_size + 1, lease.num_tokens))
+        if self._byte_pages is None:
+            raise NotImplementedError("page_view needs a CPU pool; use page_tensor")
+        return memoryview(self._byte_pages[lease.page_ids[page_index]]).toreadonly()
+
     def page_tensor(self, lease: Lease, page_index: int) -> torch.Tensor:
         """Writable tensor view [num_layers, 2, page_size, kv_heads, head_dim] of one page."""
         if not 0 <= page_index < lease.num_pages:
@@ -260,30 +398,54 @@ class KVPool:
 
     # ---- integrity --------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise PoolIntegrityError unless free + leased == total, no page in two places."""
+        """Raise PoolIntegrityError unless free + leased + cached == total, no page is in two
+        places, every tag matches its state and every pin count matches the live leases."""
         problems: list[str] = []
         free = self._free
         free_set = set(free)
         if len(free_set) != len(free):
             problems.append("a page is on the free list twice")
+        cached = set(np.flatnonzero(self._cached).tolist())
+        pins = np.zeros(self.spec.num_pages, dtype=np.int64)
         leased: dict[int, str] = {}
         for lease in self._leases.values():
             if not lease._live:
                 problems.append(f"dead lease {lease.lease_id} still registered")
-            for page_id in lease.page_ids:
+            marks = self._shared.get(lease.lease_id)
+            if marks is None or len(marks) != lease.num_pages:
+                problems.append(f"lease {lease.lease_id} has no shared-page record")
+                continue
+            for page_id, mark in zip(lease.page_ids, marks.tolist(), strict=True):
+                if mark == page_id:
+                    pins[page_id] += 1
+                    if page_id not in cached:
+                        problems.append(f"page {page_id} pinned but not cached")
+                    continue
+                if mark != NOT_SHARED:
+                    problems.append(f"lease {lease.lease_id} pinned page {mark} at {page_id}")
                 if page_id in leased:
                     problems.append(f"page {page_id} held by two leases")
                 leased[page_id] = lease.lease_id
                 if page_id in free_set:
                     problems.append(f"page {page_id} both free and leased")
+                if page_id in cached:
+                    problems.append(f"page {page_id} both cached and leased")
                 if self._page_epoch[page_id] != lease.epoch:
                     problems.append(f"page {page_id} epoch tag does not match its lease")
-        if len(free_set) + len(leased) != self.spec.num_pages:
-            problems.append(
-                f"free {len(free_set)} + leased {len(leased)} != total {self.spec.num_pages}"
-            )
+        if not (pins == self._page_refs).all():
+            problems.append("pin counts do not match the live leases")
+        if cached & free_set:
+            problems.append(f"pages {sorted(cached & free_set)} both free and cached")
+        total = len(free_set) + len(leased) + len(cached)
+        if total != self.spec.num_pages:
+            problems.append(f"free {len(free_set)} + leased {len(leased)} + cached "
+                            f"{len(cached)} != total {self.spec.num_pages}")
         for page_id in free_set:
             if self._page_epoch[page_id] != FREE_EPOCH or self._page_owner[page_id] is not None:
                 problems.append(f"free page {page_id} still tagged")
+        for page_id in cached:
+            if (self._page_epoch[page_id] != CACHED_EPOCH
+                    or self._page_written[page_id] != self.spec.page_size):
+                problems.append(f"cached page {page_id} mistagged or not fully written")
         if problems:
             raise PoolIntegrityError(problems)

@@ -1,0 +1,231 @@
+"""Tenant-salted prefix cache of whole KV pages: one radix tree per cache salt, LRU eviction.
+
+Key: (cache salt, token ids page by page). Every node is one whole page of `page_size`
+tokens, found under its parent by those token ids, and every salt has its own root, so a
+prefix cached for one tenant can never match another tenant's request, whatever the tokens
+(invariant I7). An empty salt caches nothing. Matching compares token ids, never hashes; the
+chain hashes (`kvstore.prefix_key`) are only the summary that workers advertise for routing.
+
+Pages. A node's page is CACHED in the pool: whole, written, immutable. Reference counts are
+the pool's pins: a lease pins the cached pages it reads, from allocation to release, and the
+pool refuses to evict a pinned page. Pins always form root paths (a lease pins the path it
+matched plus the pages it added right below it), so an unpinned node has no pinned child.
+
+Alignment. Hits and insertions are multiples of `align_tokens`, which the engine sets to
+lcm(page size, PREFILL_CHUNK): the KV bits a prefill computes depend on the chunk shape
+(BLAS picks kernels by shape), so reuse starts the remainder on a chunk boundary and reuses
+only pages computed in a full chunk, exactly as the single-process reference computes them
+(invariant I4: outputs with and without the cache are identical).
+
+LRU. A path is touched deepest node first, so a parent is always more recent than its
+children; the oldest unpinned node is therefore a leaf, and one pass over the LRU order
+evicts whole chains leaf first.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.errors import PoolIntegrityError
+from kvstore.lease import Lease
+from kvstore.pool import KVPool
+from kvstore.prefix_key import page_hash, root_hash
+
+
+@dataclass(eq=False)
+class _Node:
+    page_id: int  # -1 for a salt's root
+    parent: _Node | None
+    chain_hash: int  # key of the salt plus every token up to the end of this page
+    depth: int  # pages from the root, this one included
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    key: tuple[int, ...] = ()  # this page's token ids
+    salt: str = ""  # set on roots only
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # allocations that looked the prompt up
+    hit_queries: int = 0  # ... and reused at least one page
+    hit_tokens: int = 0  # prompt tokens served from the cache
+    inserted_pages: int = 0
+    evicted_pages: int = 0
+
+
+class PrefixCache:
+    """The prefix cache of one pool. Not thread-safe: call it from the pool's owner."""
+
+    def __init__(self, pool: KVPool, align_tokens: int = 0,
+                 on_evict: Callable[[int], None] | None = None) -> None:
+        page = pool.page_size
+        align = align_tokens or page
+        if align % page:
+            raise ValueError(f"align_tokens {align} is not a multiple of the page size {page}")
+        if pool.reclaimer is not None:
+            raise ValueError("this pool already has a prefix cache")
+        self.pool = pool
+        self.page_size = page
+        self.align_tokens = align
+        self.on_evict = on_evict
+        self.stats = PrefixCacheStats()
+        self._roots: dict[str, _Node] = {}
+        self._lru: collections.OrderedDict[int, _Node] = collections.OrderedDict()
+        pool.reclaimer = self._reclaim
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._lru)
+
+    # ---- lookup -------------------------------------------------------------------------
+    def _match(self, cache_salt: str, token_ids: Sequence[int]) -> list[_Node]:
+        """The usable cached path: whole aligned pages, always leaving the last token (its
+        logits give the first generated token) to be computed."""
+        root = self._roots.get(cache_salt) if cache_salt else None
+        if root is None:
+            return []
+        size, align = self.page_size, self.align_tokens
+        limit = max(len(token_ids) - 1, 0) // align * align
+        path, node = [], root
+        for start in range(0, limit, size):
+            child = node.children.get(tuple(token_ids[start:start + size]))
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path[:len(path) * size // align * align // size]
+
+    def cached_tokens(self, cache_salt: str, token_ids: Sequence[int]) -> int:
+        """How many leading tokens an allocation for this prompt would reuse (no effects)."""
+        return len(self._match(cache_salt, token_ids)) * self.page_size
+
+    def allocate(self, request_id: str, cache_salt: str, token_ids: Sequence[int],
+                 num_tokens: int = 0) -> Lease:
+        """Lease pages for the prompt (or `num_tokens`): the longest usable cached prefix of
+        this salt, pinned, then fresh pages. `lease.cached_tokens` says how many tokens the
+        caller need not compute. Raises PoolExhaustedError and leaves nothing pinned."""
+        path = self._match(cache_salt, token_ids)
+        lease = self.pool.allocate(request_id, num_tokens or len(token_ids),
+                                   [node.page_id for node in path])
+        self.stats.queries += 1
+        if path:
+            self.stats.hit_queries += 1
+            self.stats.hit_tokens += lease.cached_tokens
+            self._touch(path[-1])
+        return lease
+
+    # ---- insertion ----------------------------------------------------------------------
+    def insert(self, cache_salt: str, token_ids: Sequence[int], lease: Lease) -> int:
+        """Cache the whole aligned pages of the prompt `token_ids` that `lease` has written,
+        under `cache_salt`; returns how many pages were newly cached. The lease keeps them
+        pinned until it is released; after that they are evictable."""
+        if not cache_salt:
+            return 0
+        size, align = self.page_size, self.align_tokens
+        limit = min(len(token_ids), self.pool.written_prefix(lease)) // align * align
+        if limit == 0:
+            return 0
+        node = self._roots.get(cache_salt)
+        if node is None:
+            node = self._roots[cache_salt] = _Node(-1, None, root_hash(cache_salt), 0,
+                                                       salt=cache_salt)
+        added = 0
+        for index in range(limit // size):
+            key = tuple(token_ids[index * size:(index + 1) * size])
+            child = node.children.get(key)
+            if child is None:
+                page_id = self.pool.share(lease, index)
+                child = _Node(page_id, node, page_hash(node.chain_hash, key), node.depth + 1,
+                              key=key)
+                node.children[key] = child
+                self._lru[page_id] = child
+                added += 1
+            elif child.page_id != lease.page_ids[index]:
+                break  # cached meanwhile by another request: keep this lease's pins a path
+            node = child
+        if node.parent is not None:
+            self._touch(node)
+        elif not node.children:
+            del self._roots[cache_salt]
+        self.stats.inserted_pages += added
+        return added
+
+    def _touch(self, node: _Node) -> None:
+        """Mark the path root..node used, deepest first (parents stay more recent)."""
+        current: _Node | None = node
+        while current is not None and current.parent is not None:
+            self._lru.move_to_end(current.page_id)
+            current = current.parent
+
+    # ---- eviction -----------------------------------------------------------------------
+    def _reclaim(self, num_pages: int) -> int:
+        """Evict up to `num_pages` least recently used unpinned pages, leaves first."""
+        freed = 0
+        for node in list(self._lru.values()):
+            if freed >= num_pages:
+                break
+            if node.children or self.pool.page_refs(node.page_id) > 0:
+                continue  # pinned (a reader holds it), or still the parent of a live page
+            self._evict(node)
+            freed += 1
+        if freed and self.on_evict is not None:
+            self.on_evict(freed)
+        return freed
+
+    def _evict(self, node: _Node) -> None:
+        self.pool.evict(node.page_id)  # refuses a pinned page
+        del self._lru[node.page_id]
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
+        if parent.parent is None and not parent.children:
+            del self._roots[parent.salt]
+        self.stats.evicted_pages += 1
+
+    def clear(self) -> int:
+        """Evict every unpinned page; returns how many."""
+        return self._reclaim(len(self._lru))
+
+    # ---- routing summary and integrity --------------------------------------------------
+    def summary(self, limit: int) -> list[int]:
+        """Chain hashes of up to `limit` cached aligned prefixes, most recently used first
+        (a prefix's shorter aligned prefixes are always more recent, so they come first)."""
+        out: list[int] = []
+        pages_per_align = self.align_tokens // self.page_size
+        for node in reversed(self._lru.values()):
+            if len(out) >= limit:
+                break
+            if node.depth % pages_per_align == 0:
+                out.append(node.chain_hash)
+        return out
+
+    def check_integrity(self) -> None:
+        """The pool's check, plus: the tree holds exactly the pool's cached pages, links are
+        consistent, parents are more recent than children, pins form root paths."""
+        self.pool.check_integrity()
+        problems: list[str] = []
+        order = {page_id: i for i, page_id in enumerate(self._lru)}
+        seen: set[int] = set()
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                stack.append(child)
+                seen.add(child.page_id)
+                if child.parent is not node or child.key != key or len(key) != self.page_size:
+                    problems.append(f"page {child.page_id}: broken tree link")
+                if child.chain_hash != page_hash(node.chain_hash, key):
+                    problems.append(f"page {child.page_id}: wrong chain hash")
+                if node.parent is not None and order.get(node.page_id, -1) < order.get(
+                        child.page_id, -1):
+                    problems.append(f"page {child.page_id} more recent than its parent")
+                if node.parent is not None and (self.pool.page_refs(node.page_id)
+                                                < self.pool.page_refs(child.page_id)):
+                    problems.append(f"page {child.page_id} pinned more than its parent")
+        cached = {p for p in range(self.pool.num_pages) if self.pool.is_cached(p)}
+        if seen != set(self._lru) or seen != cached:
+            problems.append(f"tree pages {len(seen)}, LRU {len(self._lru)}, pool cached "
+                            f"{len(cached)} differ")
+        if problems:
+            raise PoolIntegrityError(problems)
