@@ -30,7 +30,7 @@ KINDS = ("normal", "over_capacity", "abort", "fault")
 # Faults of services/faults.py that end quickly (no deadline waited out); the default list.
 DEFAULT_FAULTS = ("corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
                   "reorder_frames", "commit_first", "truncate", "reset", "stale_epoch",
-                  "foreign_reservation", "stub_transfer", "bypass_admission")
+                  "foreign_reservation", "stub_transfer", "prefill_reject", "bypass_admission")
 OVER_CAPACITY_FAULTS = frozenset({"bypass_admission"})
 
 _STREAM_KIND, _STREAM_LEN, _STREAM_BODY, _STREAM_REPEAT, _STREAM_MISC = 21, 22, 23, 24, 25
