@@ -8,13 +8,14 @@ and may read all its earlier tokens. Only then does the model touch the pages.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore import KVPool, Lease, LeaseAccessError, PoolSpec, ScrubPolicy
-from services.engine.model import DECODE_TILE, LlamaModel, prefill_windows
+from services.engine.model import DECODE_TILE, PREFILL_CHUNK, LlamaModel, prefill_windows
 
 if TYPE_CHECKING:
     from services.engine.models import LoadedModel
@@ -92,6 +93,14 @@ class Engine:
         self.config = cfg
         self.pool = pool
         self.model = LlamaModel(cfg, model.weights, device=str(pool.device))
+        self.prefill_tokens_computed = 0  # prompt tokens run through the model (not cached)
+
+    @property
+    def prefix_align_tokens(self) -> int:
+        """Granularity of prefix-cache reuse: whole pages *and* whole prefill chunks, so a
+        prefill that starts after a cached prefix runs the same chunk shapes, hence the
+        same bits, as one that starts at 0 (see model.py, batch invariance)."""
+        return math.lcm(self.pool.spec.page_size, PREFILL_CHUNK)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -107,7 +116,10 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, lease: Lease, token_ids: list[int], start_position: int = 0) -> torch.Tensor:
         """Write K/V of `token_ids` at positions start_position.. into the lease's pages
-        (chunked at fixed PREFILL_CHUNK boundaries) and return the last position's logits."""
+        (chunked at fixed PREFILL_CHUNK boundaries) and return the last position's logits.
+
+        With a prefix-cache hit, `start_position` is the lease's cached length and the lease
+        reads its pinned cached pages for positions before it; the same checks apply."""
         num_tokens = len(token_ids)
         if num_tokens == 0:
             raise ValueError("prefill needs at least one token")
@@ -126,6 +138,7 @@ class Engine:
             piece = token_ids[chunk_start - start_position:chunk_start - start_position + chunk_len]
             hidden = self.model.prefill_chunk(kv, piece, chunk_start)
             self.pool.mark_written_range(lease, chunk_start, chunk_len)
+            self.prefill_tokens_computed += chunk_len
         return self.model.logits(hidden)
 
     @torch.inference_mode()
