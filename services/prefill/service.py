@@ -5,6 +5,11 @@ worker's pool, prompt running) -> TRANSFERRED (decode acked the verified commit)
 ABORTED / FAILED. Whenever prefill gives up on a request it tells decode at once with a
 `Release` so decode frees its lease within a second (I6): no cleanup path waits out a timeout.
 Prefill runs one prompt at a time in FIFO order; its own lease is freed in `_run`'s finally.
+
+Prefix cache (I7): the lease starts with the longest cached page-aligned prefix of the
+prompt *under the ticket's cache salt* (server-side, per tenant; clients cannot set it),
+pinned read-only; only the rest is computed. After the prefill the prompt's whole aligned
+pages join the cache under that salt. Decode still receives every prompt page, verified.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import logging
 import uuid
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from kvstore import PoolExhaustedError
+from kvstore import Lease, PoolExhaustedError, PrefixCache
 from services import messages as m
 from services.capacity import prefill_refusal
 from services.config import ServiceConfig
@@ -65,8 +71,18 @@ class PrefillService(WorkerBase):
                                   "Prefills started (lease taken, prompt run)", registry=r)
         self.transfers = Counter("pdmesh_transfers_sent_total", "KV transfers by outcome",
                                  ["outcome"], registry=r)
-        self.prompt_tokens = Counter("pdmesh_prefill_tokens_total", "Prompt tokens prefilled",
+        self.prompt_tokens = Counter("pdmesh_prefill_tokens_total",
+                                     "Prompt tokens prefilled (computed, not cached)",
                                      registry=r)
+        self.cache_queries = Counter("pdmesh_prefix_cache_queries_total",
+                                     "Prefills that looked their prompt up in the prefix cache",
+                                     registry=r)
+        self.cache_hits = Counter("pdmesh_prefix_cache_hits_total",
+                                  "Prompt tokens served from the prefix cache", registry=r)
+        self.cache_evictions = Counter("pdmesh_prefix_cache_evictions_total",
+                                       "Prefix-cache pages evicted", registry=r)
+        self.prefix_cache = PrefixCache(self.pool, align_tokens=self.engine.prefix_align_tokens,
+                                        on_evict=self.cache_evictions.inc)
 
     async def subscribe(self) -> None:
         wid = self.cfg.worker_id
@@ -85,7 +101,11 @@ class PrefillService(WorkerBase):
         return {"dispatches": counter_total(self.dispatches),
                 "bootstraps": counter_total(self.bootstraps),
                 "transfers": counter_total(self.transfers),
-                "prompt_tokens": counter_total(self.prompt_tokens)}
+                "prompt_tokens": counter_total(self.prompt_tokens),
+                "prefix_cache_queries": counter_total(self.cache_queries),
+                "prefix_cache_hit_tokens": counter_total(self.cache_hits),
+                "prefix_cache_evictions": counter_total(self.cache_evictions),
+                "prefix_cache_pages": float(self.prefix_cache.num_pages)}
 
     # -- intake -------------------------------------------------------------------------
     async def _on_dispatch(self, d: m.PrefillDispatch, _msg: Msg) -> None:
@@ -160,21 +180,28 @@ class PrefillService(WorkerBase):
         lease = None
         try:
             lease = await self._allocate(job)
+            cached = lease.cached_tokens
+            self.cache_queries.inc()
+            self.cache_hits.inc(cached)
             job.state = advance(job.request_id, job.state, RequestState.PREFILLING)
             self.bootstraps.inc()
-            logits = await self.compute(self.engine.prefill, lease, d.prompt_ids)
-            self.prompt_tokens.inc(len(d.prompt_ids))
+            logits = await self.compute(self.engine.prefill, lease, d.prompt_ids[cached:],
+                                        cached)
+            self.prompt_tokens.inc(len(d.prompt_ids) - cached)
             if job.state.is_terminal:
                 return
+            self.prefix_cache.insert(d.ticket.cache_salt, d.prompt_ids, lease)
             sampler = Sampler(SamplingParams(temperature=d.sampling.temperature,
                                              top_p=d.sampling.top_p, seed=d.sampling.seed,
                                              max_tokens=d.ticket.max_tokens))
             first = sampler.sample(logits)
+            await self._report_cached(d, cached)
             plan = TransferPlan(reservation_id=d.reservation_id, epoch=d.epoch,
                                 dest_page_ids=tuple(d.page_ids), num_tokens=len(d.prompt_ids),
                                 page_tokens=d.page_tokens, page_bytes=d.page_bytes,
                                 first_token=first, deadline_s=self.cfg.transfer_deadline_s)
-            buffers = [self.pool.page_buffer(lease, i) for i in range(len(d.page_ids))]
+            # Read-only views: cached pages may be read (pinned) but never written.
+            buffers = [self.pool.page_view(lease, i) for i in range(len(d.page_ids))]
             ack = await self._send(d, plan, buffers)
             self.kv_bytes.labels("out").inc(ack.bytes)
             self.transfers.labels("ok").inc()
@@ -197,6 +224,19 @@ class PrefillService(WorkerBase):
             if lease is not None:
                 self.pool.release(lease, job.state.name.lower())
                 self._freed.set()
+
+    async def _report_cached(self, d: m.PrefillDispatch, cached: int) -> None:
+        """Info event (seq -1) for the gateway's usage.prompt_tokens_details.cached_tokens,
+        flushed before the KV goes out so that it reaches the gateway before decode's first
+        token (the gateway ignores info events after the stream ended)."""
+        await self.rt.publish(m.tokens_subject(d.ticket.request_id), m.TokenEvent(
+            request_id=d.ticket.request_id, seq=-1, prompt_tokens=len(d.prompt_ids),
+            cached_tokens=cached))
+        try:
+            await self.rt.nc.flush(timeout=1)
+        except (nats.errors.Error, TimeoutError) as exc:  # only the usage figure is at stake
+            log.warning("flushing the cache info event of %s failed: %s",
+                        d.ticket.request_id, exc)
 
     async def _send(self, d: m.PrefillDispatch, plan: TransferPlan,
                     buffers: list[memoryview]) -> TransferAck:
@@ -223,13 +263,16 @@ class PrefillService(WorkerBase):
         finally:
             self.transport.faults = None  # type: ignore[attr-defined]
 
-    async def _allocate(self, job: PrefillJob):  # noqa: ANN202 - kvstore.Lease
-        """Lease pages for the prompt, waiting (bounded) while other prompts hold them."""
+    async def _allocate(self, job: PrefillJob) -> Lease:
+        """Lease pages for the prompt, reusing this tenant's cached prefix (evicting other
+        unpinned cached pages when short), waiting (bounded) while other prompts hold them."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.transfer_deadline_s
         while True:
             try:
-                return self.pool.allocate(job.request_id, len(job.dispatch.prompt_ids))
+                d = job.dispatch
+                return self.prefix_cache.allocate(job.request_id, d.ticket.cache_salt,
+                                                  d.prompt_ids)
             except PoolExhaustedError:
                 if loop.time() >= deadline or job.state.is_terminal:
                     raise
