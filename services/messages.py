@@ -227,6 +227,12 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
     ready: bool = True
     draining: bool = False
     sent_at: float = 0.0
+    # Prefix cache (prefill): chain hashes (kvstore.prefix_key) of cached prefixes of
+    # `prefix_align_tokens`-multiples, most recently used first, bounded. Admission routes a
+    # request to the worker holding its longest prefix; a hash names (salt, tokens) only.
+    prefix_hashes: list[int] = []
+    prefix_align_tokens: int = 0
+    prefix_cached_tokens: int = 0  # tokens held by the cache (evictable ones included)
 
 
 class StatsReply(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):

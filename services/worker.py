@@ -115,18 +115,25 @@ class WorkerBase:
         pool = self.pool
         self.pool_pages.labels("free").set(pool.num_free_pages)
         self.pool_pages.labels("leased").set(pool.num_leased_pages)
+        self.pool_pages.labels("cached").set(pool.num_cached_pages)
         if not self.rt.nc.is_connected:
             return
+        cache = getattr(self, "prefix_cache", None)  # prefill workers only
+        summary_limit = 512  # prefix hashes per heartbeat (~4.5 KiB of msgpack)
         await self.rt.publish(m.heartbeat_subject(self.role.value, self.cfg.worker_id),
                               m.Heartbeat(
             worker_id=self.cfg.worker_id, role=self.role, model=self.model.name,
             data_address=self.data_address,
             http_address=f"http://{self.cfg.http_host}:{self.rt.http_port}",
-            pool_capacity_tokens=pool.capacity_tokens, free_tokens=pool.free_tokens,
+            # Unpinned cached pages count as free: an allocation evicts them on demand.
+            pool_capacity_tokens=pool.capacity_tokens, free_tokens=pool.available_tokens,
             page_tokens=pool.spec.page_size, configured_context=self.configured_context,
             served_context=self.served_context, capacity_mismatch=self.mismatch,
             queue_depth=self.queue_depth(), active_requests=self.active_requests(),
-            ready=not draining, draining=draining, sent_at=time.time()))
+            ready=not draining, draining=draining, sent_at=time.time(),
+            prefix_hashes=cache.summary(summary_limit) if cache else [],
+            prefix_align_tokens=cache.align_tokens if cache else 0,
+            prefix_cached_tokens=cache.num_pages * pool.spec.page_size if cache else 0))
 
     def counters(self) -> dict[str, float]:
         return {}

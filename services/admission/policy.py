@@ -23,6 +23,9 @@ class WorkerView:
     page_tokens: int
     served_context: int  # the context this worker really serves (clamped to its pool)
     queue_depth: int = 0
+    # Prefill: leading tokens of *this* request (under its tenant's salt) that the worker's
+    # prefix cache holds, from its heartbeat summary (CapacityRegistry.views).
+    cached_prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,20 @@ class Rejected:
     limit: int = 0
 
 
+def prefill_cost(prompt_len: int, worker: WorkerView) -> int:
+    """Tokens the worker must compute before this request's first token, estimating each
+    queued prompt at this one's length: cache affinity, balanced against queue depth (a
+    full cache hit is worth about one queued request). Without cache hits it orders by
+    queue depth alone, as before."""
+    cached = min(max(worker.cached_prefix_tokens, 0), max(prompt_len - 1, 0))
+    return (worker.queue_depth + 1) * prompt_len - cached
+
+
 def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
            decodes: list[WorkerView]) -> Admitted | Rejected:
     """Admit to the least-loaded pair that can hold the request now, or reject with a reason.
+    The prefill worker is the one with the least work ahead of this request's first token
+    (`prefill_cost`: queue depth less its cached prefix of this request).
 
     Order of checks matters for the message a client sees: static limits (context, pool
     sizes) first, so an over-long prompt is always `context_length_exceeded`-class and
@@ -84,6 +98,7 @@ def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
             return Rejected(RejectReason.SATURATED,
                             "all decode workers are busy; retry later")
         prefill_now = prefill_ok
-    prefill = min(prefill_now, key=lambda p: (p.queue_depth, -p.free_tokens, p.worker_id))
+    prefill = min(prefill_now, key=lambda p: (prefill_cost(prompt_len, p), p.queue_depth,
+                                              -p.free_tokens, p.worker_id))
     decode = max(decode_now, key=lambda d: (d.free_tokens, d.worker_id))
     return Admitted(prefill=prefill, decode=decode)

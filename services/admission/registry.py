@@ -2,15 +2,22 @@
 
 A worker that stops heartbeating leaves the registry after `ttl_s`. Admission reads live
 capacity from here, never from configuration (invariant I5). Between heartbeats admission
-charges its own reservations against the cached free figure so a burst of requests does not
-all pick the same worker on a stale view.
+charges its own reservations against the cached free figure (and queue depth) so a burst of
+requests does not all pick the same worker on a stale view.
+
+Prefix-cache routing: prefill heartbeats carry chain hashes of cached prefixes
+(`kvstore.prefix_key`); `views(..., cache_salt=, prompt_ids=)` turns them into each worker's
+cached prefix length *for this request under its tenant's salt*. Only hashes are compared
+here: a collision can misroute, never leak (the worker matches token ids under the salt).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from kvstore.prefix_key import aligned_prefix_hashes
 from services import messages as m
 from services.admission.policy import WorkerView
 from services.capacity import pages_for
@@ -21,6 +28,8 @@ class _Entry:
     beat: m.Heartbeat
     seen_at: float
     charged_tokens: int = 0
+    charged_requests: int = 0
+    prefix_set: frozenset[int] = field(default_factory=frozenset)
 
 
 class CapacityRegistry:
@@ -33,7 +42,8 @@ class CapacityRegistry:
         if beat.draining or not beat.ready:
             self._workers.pop(beat.worker_id, None)
             return
-        self._workers[beat.worker_id] = _Entry(beat, time.monotonic() if now is None else now)
+        self._workers[beat.worker_id] = _Entry(beat, time.monotonic() if now is None else now,
+                                               prefix_set=frozenset(beat.prefix_hashes))
 
     def expire(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
@@ -47,18 +57,49 @@ class CapacityRegistry:
         if entry is not None:
             pages = pages_for(num_tokens, max(entry.beat.page_tokens, 1))
             entry.charged_tokens += pages * entry.beat.page_tokens
+            entry.charged_requests += 1
 
-    def views(self, role: m.Role, now: float | None = None) -> list[WorkerView]:
+    def views(self, role: m.Role, now: float | None = None, *, cache_salt: str = "",
+              prompt_ids: Sequence[int] = ()) -> list[WorkerView]:
+        """Live views of one role's workers; with `cache_salt` and `prompt_ids`, each
+        prefill view says how much of this prompt its prefix cache holds for that salt."""
         self.expire(now)
+        entries = [e for e in self._workers.values() if e.beat.role is role]
+        cached = self._cached_prefixes(entries, cache_salt, prompt_ids)
         out = []
-        for e in self._workers.values():
+        for e in entries:
             b = e.beat
-            if b.role is not role:
-                continue
             out.append(WorkerView(worker_id=b.worker_id, capacity_tokens=b.pool_capacity_tokens,
                                   free_tokens=max(b.free_tokens - e.charged_tokens, 0),
                                   page_tokens=max(b.page_tokens, 1),
-                                  served_context=b.served_context, queue_depth=b.queue_depth))
+                                  served_context=b.served_context,
+                                  queue_depth=b.queue_depth + e.charged_requests,
+                                  cached_prefix_tokens=cached.get(b.worker_id, 0)))
+        return out
+
+    @staticmethod
+    def _cached_prefixes(entries: list[_Entry], cache_salt: str,
+                         prompt_ids: Sequence[int]) -> dict[str, int]:
+        """worker_id -> longest advertised cached prefix of the prompt under the salt."""
+        out: dict[str, int] = {}
+        if not cache_salt or not prompt_ids:
+            return out
+        groups: dict[tuple[int, int], list[_Entry]] = {}
+        for e in entries:
+            if e.prefix_set and e.beat.prefix_align_tokens > 0:
+                groups.setdefault((e.beat.page_tokens, e.beat.prefix_align_tokens), []).append(e)
+        for (page, align), group in groups.items():
+            # A worker's summary holds a prefix's shorter prefixes too, so stop at the
+            # first hash no worker of the group has: the cost is the length matched.
+            alive = group
+            hashes = aligned_prefix_hashes(cache_salt, prompt_ids, page, align,
+                                           len(prompt_ids) - 1)
+            for k, h in enumerate(hashes, start=1):
+                alive = [e for e in alive if h in e.prefix_set]
+                if not alive:
+                    break
+                for e in alive:
+                    out[e.beat.worker_id] = k * align
         return out
 
     def heartbeats(self) -> list[m.Heartbeat]:
