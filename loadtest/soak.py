@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after --duration, in-flight requests get this long")
     p.add_argument("--output-dir", default="soak-results")
     p.add_argument("--label", default="", help="file name stem (default soak-<date>)")
+    p.add_argument("--nats-url", default="",
+                   help="the mesh's NATS: after the run, check that every KV lease came back "
+                        "and every pool passes its integrity check (the mesh must be idle)")
+    p.add_argument("--pool-settle", type=float, default=10.0,
+                   help="seconds to wait for the leases to come back")
     p.add_argument("--fail-on-errors", action="store_true",
                    help="also exit 1 when a request without fault failed (5xx, 429, ...)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -336,6 +341,10 @@ def format_summary(result: dict) -> str:
         for name, ends in result["faults"].items():
             rest = ", ".join(f"{k} {v}" for k, v in ends.items() if k != "injected")
             lines.append(f"  {name:<22}{ends.get('injected', 0):>4}  {rest}")
+    pool = result.get("pool_check") or {}
+    if pool.get("checked"):
+        lines.append(f"{'Pool check: leases left / integrity failures':<46}"
+                     f"{str(pool['leaked_leases']) + ' / ' + str(pool['integrity_failures']):>18}")
     if result["errors_by_code"]:
         lines.append("Errors by code: " + json.dumps(result["errors_by_code"]))
     lines.append(("RESULT: OK" if result["ok"] else "RESULT: FAILED " + ", ".join(
@@ -394,6 +403,18 @@ async def _amain(args: argparse.Namespace) -> int:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
     summary = soak.tally.summary()
+    pool: dict = {"checked": False, "error": "no --nats-url given"}
+    if args.nats_url and soak.stopped_by != "signal":
+        from loadtest.soak_pool import check_pools
+
+        pool = await check_pools(args.nats_url, args.pool_settle)
+        if pool["error"]:
+            print(f"pdmesh soak: pool check skipped: {pool['error']}", file=sys.stderr)
+        for key in ("leaked_leases", "integrity_failures"):
+            if pool.get(key):
+                summary["failures"].append(f"{key}={pool[key]}")
+                summary["ok"] = False
+    summary["pool_check"] = pool
     if args.fail_on_errors and summary["unexpected_errors"]:
         summary["failures"].append(f"unexpected_errors={summary['unexpected_errors']}")
         summary["ok"] = False

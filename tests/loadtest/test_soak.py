@@ -210,6 +210,26 @@ def test_tally_counts_and_fails_on_violations():
     assert s["violations"][0]["expected_text"] == "the right answer"
 
 
+def test_pool_summary_counts_leaked_leases_and_integrity_failures():
+    from types import SimpleNamespace
+
+    from loadtest.soak_pool import _summary
+    from services.messages import Role
+
+    def row(worker, role, leases, ok, stats=True):
+        beat = SimpleNamespace(worker_id=worker, role=role)
+        st = SimpleNamespace(live_leases=leases, leased_pages=leases * 2, total_pages=256,
+                             integrity_ok=ok, integrity_error="" if ok else "page 3 owned twice")
+        return SimpleNamespace(beat=beat, stats=st if stats else None, stats_error="")
+
+    clean = _summary([row("p", Role.PREFILL, 0, True), row("d", Role.DECODE, 0, True)], 1.0)
+    assert clean["checked"] and clean["leaked_leases"] == clean["integrity_failures"] == 0
+    bad = _summary([row("p", Role.PREFILL, 0, False), row("d", Role.DECODE, 3, True),
+                    row("x", Role.DECODE, 0, True, stats=False)], 10.0)
+    assert bad["leaked_leases"] == 3 and bad["integrity_failures"] == 1
+    assert bad["unanswered"] == 1
+
+
 # -- the whole command against a double that answers with the reference engine ---------------
 class OracleDouble:
     """OpenAI-style test double serving the reference engine's greedy answers (so the soak's
@@ -412,7 +432,7 @@ def test_soak_on_the_real_mesh(fault_mesh, tmp_path):
             "--min-tokens", "4", "--max-tokens", "12", "--over-capacity-fraction", "0.15",
             "--abort-fraction", "0.15", "--fault-fraction", "0.25", "--drain-timeout", "20",
             "--request-timeout", "30", "--output-dir", str(tmp_path), "--label", "soak",
-            "--quiet"]
+            "--nats-url", fault_mesh.nats_url, "--quiet"]
     code = main(argv)
     result = json.loads((tmp_path / "soak.json").read_text())
     assert code == EXIT_OK, (result["failures"], result["violations"][:3])
@@ -432,3 +452,6 @@ def test_soak_on_the_real_mesh(fault_mesh, tmp_path):
         assert set(ends) <= {"injected", "error", "oracle_match", "rejected"}, (name, ends)
     assert result["aborted"] > 0 and result["unexpected_errors"] == 0, result["errors_by_code"]
     assert set(result["per_tenant"]) == {"alice", "bob", "carol"}
+    pool = result["pool_check"]  # aborts, faults and rejections left no lease behind
+    assert pool["checked"] and pool["leaked_leases"] == pool["integrity_failures"] == 0, pool
+    assert {w["role"] for w in pool["workers"]} == {"prefill", "decode"}
