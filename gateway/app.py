@@ -8,21 +8,21 @@ Every error, including 404/405/413 and unexpected ones, is answered in the OpenA
 
 from __future__ import annotations
 
-import json
-import secrets
+import contextlib
 import logging
+import secrets
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import Counter, Histogram
 
-from gateway.mesh import ClientGone, MeshClient, MeshFailed, MeshRejected, MeshUnavailable
-from gateway.schema import ApiError, ChatBody, CompletionBody, parse_chat, parse_completion, \
-    stop_list
+from gateway.generation import STREAM_STARTED, Generation
+from gateway.mesh import MeshClient, MeshRejected, MeshUnavailable
+from gateway.metrics import GatewayMetrics
+from gateway.schema import ApiError, ChatBody, CompletionBody, parse_chat, parse_completion
 from gateway.tenants import Tenant, TenantDirectory
-from gateway.text import TextStream
 from services import messages as m
 from services.admission.registry import CapacityRegistry
 from services.config import ServiceConfig
@@ -40,9 +40,6 @@ _REJECT_STATUS = {
     m.RejectReason.SATURATED: (429, "mesh_saturated"),
     m.RejectReason.NO_WORKERS: (503, "no_workers"),
 }
-_FINISH = {m.FinishReason.STOP: "stop", m.FinishReason.LENGTH: "length"}
-STREAM_STARTED = "pdmesh.stream_started"  # request key: SSE headers already sent
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Gateway:
@@ -60,17 +57,7 @@ class Gateway:
         # Admission may queue a request up to queue_timeout_s before answering.
         self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.queue_timeout_s
                                + cfg.reserve_timeout_s + 3.0)
-        r = self.rt.registry
-        self.ttft = Histogram("pdmesh:time_to_first_token_seconds", "Time to first token",
-                              ["tenant"], registry=r, buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("pdmesh:inter_token_latency_seconds", "Inter-token latency",
-                             ["tenant"], registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("pdmesh:e2e_request_latency_seconds", "End-to-end latency",
-                             ["tenant", "outcome"], registry=r, buckets=LATENCY_BUCKETS)
-        self.requests = Counter("pdmesh:requests_total", "Requests by tenant and outcome",
-                                ["tenant", "outcome"], registry=r)
-        self.tokens = Counter("pdmesh:tokens_total", "Tokens by tenant and kind",
-                              ["tenant", "kind"], registry=r)
+        self.metrics = GatewayMetrics(self.rt.registry)
 
     # -- wiring -------------------------------------------------------------------------
     def routes(self, app: web.Application) -> None:
@@ -134,42 +121,61 @@ class Gateway:
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "pdmesh",
             "max_model_len": max(contexts, default=0)}]})
 
+    @contextlib.contextmanager
+    def _validating(self, tenant: Tenant) -> Iterator[None]:
+        """Count a request the gateway itself refuses (after auth) as outcome `invalid`."""
+        try:
+            yield
+        except ApiError:
+            self.metrics.request_done(tenant.tenant_id, "invalid", 0.0)
+            raise
+
+    def _check_model(self, body: CompletionBody | ChatBody) -> None:
+        if body.model not in (self.model_name, "") and body.model != self.cfg.model:
+            raise ApiError(404, f"The model {body.model!r} does not exist; this mesh serves "
+                           f"{self.model_name!r}", code="model_not_found", param="model")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._auth(request)
-        body = parse_completion(await request.read())
+        with self._validating(tenant):
+            body = parse_completion(await request.read())
+            self._check_model(body)
+            ids = self._prompt_ids(body)
+        return await self._generate(request, tenant, body, ids, chat=False)
+
+    def _prompt_ids(self, body: CompletionBody) -> list[int]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            vocab = self.tokenizer.vocab_size
-            if not ids:
-                raise ApiError(400, "prompt must not be empty", param="prompt")
-            if any(not 0 <= t < vocab for t in ids):
-                raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="prompt")
-        return await self._generate(request, tenant, body, ids, chat=False)
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.tokenizer.vocab_size
+        if not ids:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="prompt")
+        return ids
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self._auth(request)
-        body = parse_chat(await request.read())
-        messages = []
-        for msg in body.messages:
-            content = msg.content if isinstance(msg.content, str) else "".join(
-                p.text for p in (msg.content or []))
-            messages.append({"role": msg.role, "content": content})
-        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+        with self._validating(tenant):
+            body = parse_chat(await request.read())
+            self._check_model(body)
+            messages = []
+            for msg in body.messages:
+                content = msg.content if isinstance(msg.content, str) else "".join(
+                    p.text for p in (msg.content or []))
+                messages.append({"role": msg.role, "content": content})
+            # tiny: plain "<|role|>" lines; checkpoints: their own template (gateway/README)
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
         return await self._generate(request, tenant, body, ids, chat=True)
 
     async def _generate(self, request: web.Request, tenant: Tenant,
                         body: CompletionBody | ChatBody, ids: list[int],
                         chat: bool) -> web.StreamResponse:
-        if body.model not in (self.model_name, "") and body.model != self.cfg.model:
-            raise ApiError(404, f"The model {body.model!r} does not exist; this mesh serves "
-                           f"{self.model_name!r}", code="model_not_found", param="model")
         t0 = time.monotonic()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
@@ -185,7 +191,8 @@ class Gateway:
         outcome = "error"
         try:
             async with self.mesh.submit(req) as sub:
-                gen = _Generation(self, request, tenant, body, rid, len(ids), chat, t0)
+                gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0)
+                outcome = "failed"  # until run() says otherwise (it raises 502/504 JSON)
                 outcome = await gen.run(sub)
                 return gen.response
         except MeshRejected as exc:
@@ -201,135 +208,7 @@ class Gateway:
             raise ApiError(503, f"the mesh is not answering: {exc}", type_="server_error",
                            code="no_workers") from None
         finally:
-            self.requests.labels(tenant.tenant_id, outcome).inc()
-            self.e2e.labels(tenant.tenant_id, outcome).observe(time.monotonic() - t0)
-
-
-class _Generation:
-    """One admitted request's reply: JSON at the end, or SSE chunks as tokens arrive."""
-
-    def __init__(self, gw: Gateway, request: web.Request, tenant: Tenant,
-                 body: CompletionBody | ChatBody, rid: str, prompt_len: int, chat: bool,
-                 t0: float) -> None:
-        self.gw, self.request, self.tenant, self.body = gw, request, tenant, body
-        self.rid, self.prompt_len, self.chat, self.t0 = rid, prompt_len, chat, t0
-        self.created = int(time.time())
-        self.text = TextStream(gw.tokenizer, stop_list(body))
-        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.response: web.StreamResponse = web.Response()
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-
-    def _alive(self) -> bool:
-        transport = self.request.transport
-        return transport is not None and not transport.is_closing()
-
-    def _workers_alive(self, sub: Any) -> str:
-        """Name of a worker serving this request that stopped heartbeating, or ""."""
-        # Prefill matters only until its KV has arrived (the first token comes with it).
-        workers = [sub.decode_worker] if sub.got_first_token else [sub.decode_worker,
-                                                                   sub.prefill_worker]
-        for worker in workers:
-            if worker and self.gw.registry.get(worker) is None:
-                return worker
-        return ""
-
-    async def run(self, sub: Any) -> str:
-        gw = self.gw
-        finish: str | None = None
-        parts: list[str] = []
-        last = None
-        if self.body.stream:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
-            await resp.prepare(self.request)
-            self.request[STREAM_STARTED] = True
-            self.response = resp
-            if self.chat:
-                await self._send(self._chunk({"role": "assistant", "content": ""}, None))
-        try:
-            async for ev in gw.mesh.tokens(sub, gw.cfg.request_timeout_s, self._alive,
-                                           self._workers_alive):
-                now = time.monotonic()
-                if last is None:
-                    gw.ttft.labels(self.tenant.tenant_id).observe(now - self.t0)
-                else:
-                    gw.itl.labels(self.tenant.tenant_id).observe(now - last)
-                last = now
-                self.completion_tokens += len(ev.token_ids)
-                self.cached_tokens = max(self.cached_tokens, sub.cached_tokens)
-                delta = self.text.push(ev.token_ids, final=ev.finish is not None)
-                if self.text.stopped:
-                    finish = "stop"
-                elif ev.finish is not None:
-                    finish = _FINISH[m.FinishReason(ev.finish)]
-                if self.body.stream and (delta or finish):
-                    await self._send(self._chunk(delta, finish))
-                else:
-                    parts.append(delta)
-                if finish:
-                    break
-        except MeshFailed as exc:
-            return await self._fail(502, f"generation failed: {exc}", exc.code.name.lower())
-        except TimeoutError as exc:
-            return await self._fail(504, str(exc), "timeout")
-        except (ClientGone, ConnectionResetError):
-            return "client_gone"
-        gw.tokens.labels(self.tenant.tenant_id, "prompt").inc(self.prompt_len)
-        gw.tokens.labels(self.tenant.tenant_id, "completion").inc(self.completion_tokens)
-        if self.body.stream:
-            if self.include_usage:
-                await self._send(self._envelope([], usage=self._usage()))
-            await self.response.write(b"data: [DONE]\n\n")
-            await self.response.write_eof()
-        else:
-            self.response = web.json_response(self._final("".join(parts), finish or "length"))
-        return "finished"
-
-    async def _fail(self, status: int, message: str, code: str) -> str:
-        err = ApiError(status, message, type_="server_error", code=code)
-        if self.body.stream:
-            try:
-                await self._send(err.body())
-                await self.response.write_eof()
-            except ConnectionResetError:
-                pass
-            return "failed"
-        raise err
-
-    async def _send(self, obj: dict[str, Any]) -> None:
-        await self.response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-    def _usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_len, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_len + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-    def _envelope(self, choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
-        obj: dict[str, Any] = {
-            "id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created, "model": self.gw.model_name, "choices": choices}
-        if self.include_usage:
-            obj["usage"] = usage
-        return obj
-
-    def _chunk(self, delta: str | dict[str, str], finish: str | None) -> dict[str, Any]:
-        if self.chat:
-            d = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-        return self._envelope([choice])
-
-    def _final(self, text: str, finish: str) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.gw.model_name, "choices": [choice],
-                "usage": self._usage()}
+            self.metrics.request_done(tenant.tenant_id, outcome, time.monotonic() - t0)
 
 
 async def serve(cfg: ServiceConfig) -> None:
