@@ -6,21 +6,39 @@ just "it returned 200" (lesson 5 of INCIDENT.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 import openai
 import pytest
 
 from tests.meshproc import Mesh
-from tests.oracle import expected_ids, expected_text, tiny
+from tests.oracle import expected_ids, tiny
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "What is the capital of France?"}]
 
 
+N = 16  # one generation length everywhere: the (slow, CPU) oracle runs once per prompt
+
+
 def chat_prompt(messages: list[dict]) -> str:
     return tiny().tokenizer.apply_chat_template(messages)
+
+
+def oracle_ids(prompt: str | tuple[int, ...]) -> tuple[int, ...]:
+    return _oracle_ids(tuple(prompt.encode()) if isinstance(prompt, str) else prompt)
+
+
+@functools.cache
+def _oracle_ids(prompt_ids: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(expected_ids(prompt_ids, N))
+
+
+def oracle_text(prompt: str | tuple[int, ...]) -> str:
+    tok = tiny().tokenizer
+    return tok.decode(t for t in oracle_ids(prompt) if t not in tok.eos_token_ids)
 
 
 @pytest.fixture
@@ -32,13 +50,13 @@ async def client(live_mesh: Mesh) -> AsyncIterator[openai.AsyncOpenAI]:
 
 
 async def test_completion_greedy_matches_oracle(client: openai.AsyncOpenAI) -> None:
-    out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24,
+    out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N,
                                           temperature=0)
     assert out.object == "text_completion"
     assert out.id.startswith("cmpl-")
     assert len(out.choices) == 1
-    assert out.choices[0].text == expected_text(PROMPT, 24)
-    ids = expected_ids(tuple(PROMPT.encode()), 24)
+    assert out.choices[0].text == oracle_text(PROMPT)
+    ids = oracle_ids(PROMPT)
     assert out.choices[0].finish_reason == ("stop" if ids[-1] == 257 else "length")
     assert out.usage is not None
     assert out.usage.prompt_tokens == len(PROMPT.encode())
@@ -47,16 +65,15 @@ async def test_completion_greedy_matches_oracle(client: openai.AsyncOpenAI) -> N
 
 
 async def test_completion_token_ids_prompt(client: openai.AsyncOpenAI) -> None:
-    ids = list(b"Once upon a time")
-    out = await client.completions.create(model="tiny", prompt=ids, max_tokens=12,
+    ids = list(PROMPT.encode())  # the byte tokenizer's ids: same answer as the text
+    out = await client.completions.create(model="tiny", prompt=ids, max_tokens=N,
                                           temperature=0)
-    expected = [t for t in expected_ids(tuple(ids), 12) if t != 257]
-    assert out.choices[0].text == tiny().tokenizer.decode(expected)
+    assert out.choices[0].text == oracle_text(tuple(ids))
 
 
 async def test_completion_stream_with_usage(client: openai.AsyncOpenAI) -> None:
     stream = await client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+        model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, stream=True,
         stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     assert len(chunks) >= 3  # text arrives incrementally, then the usage chunk
@@ -66,35 +83,35 @@ async def test_completion_stream_with_usage(client: openai.AsyncOpenAI) -> None:
     assert last.choices == []
     assert last.usage is not None
     assert last.usage.prompt_tokens == len(PROMPT.encode())
-    assert last.usage.completion_tokens == len(expected_ids(tuple(PROMPT.encode()), 20))
-    assert "".join(c.choices[0].text for c in text_chunks) == expected_text(PROMPT, 20)
+    assert last.usage.completion_tokens == len(oracle_ids(PROMPT))
+    assert "".join(c.choices[0].text for c in text_chunks) == oracle_text(PROMPT)
     assert text_chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
 
 
 async def test_completion_stream_without_usage(client: openai.AsyncOpenAI) -> None:
-    stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10,
+    stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N,
                                              temperature=0, stream=True)
     chunks = [c async for c in stream]
     assert all(c.usage is None and len(c.choices) == 1 for c in chunks)
-    assert "".join(c.choices[0].text for c in chunks) == expected_text(PROMPT, 10)
+    assert "".join(c.choices[0].text for c in chunks) == oracle_text(PROMPT)
 
 
 async def test_chat_greedy_matches_oracle(client: openai.AsyncOpenAI) -> None:
     out = await client.chat.completions.create(model="tiny", messages=MESSAGES,
-                                               max_tokens=24, temperature=0)
+                                               max_tokens=N, temperature=0)
     assert out.object == "chat.completion"
     assert out.id.startswith("chatcmpl-")
     msg = out.choices[0].message
     assert msg.role == "assistant"
-    assert msg.content == expected_text(chat_prompt(MESSAGES), 24)
+    assert msg.content == oracle_text(chat_prompt(MESSAGES))
     assert out.usage is not None
     assert out.usage.prompt_tokens == len(chat_prompt(MESSAGES).encode())
 
 
 async def test_chat_stream_with_usage(client: openai.AsyncOpenAI) -> None:
     stream = await client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=20, temperature=0, stream=True,
+        model="tiny", messages=MESSAGES, max_tokens=N, temperature=0, stream=True,
         stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     *deltas, last = chunks
@@ -102,28 +119,27 @@ async def test_chat_stream_with_usage(client: openai.AsyncOpenAI) -> None:
     assert deltas[0].choices[0].delta.role == "assistant"
     assert last.choices == [] and last.usage is not None
     prompt = chat_prompt(MESSAGES)
-    assert last.usage.completion_tokens == len(expected_ids(tuple(prompt.encode()), 20))
+    assert last.usage.completion_tokens == len(oracle_ids(prompt))
     text = "".join(c.choices[0].delta.content or "" for c in deltas)
-    assert text == expected_text(prompt, 20)
+    assert text == oracle_text(prompt)
     assert deltas[-1].choices[0].finish_reason in ("stop", "length")
 
 
 async def test_chat_content_parts_equal_plain_string(client: openai.AsyncOpenAI) -> None:
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the "},
-                                          {"type": "text", "text": "capital of France?"}]}]
-    out = await client.chat.completions.create(model="tiny", messages=parts, max_tokens=12,
+    parts = [MESSAGES[0], {"role": "user", "content": [
+        {"type": "text", "text": "What is the "}, {"type": "text", "text": "capital of France?"}]}]
+    out = await client.chat.completions.create(model="tiny", messages=parts, max_tokens=N,
                                                temperature=0)
-    plain = [{"role": "user", "content": "What is the capital of France?"}]
-    assert out.choices[0].message.content == expected_text(chat_prompt(plain), 12)
+    assert out.choices[0].message.content == oracle_text(chat_prompt(MESSAGES))
 
 
 async def test_stop_string_cuts_output(client: openai.AsyncOpenAI) -> None:
-    full = expected_text(PROMPT, 24)
+    full = oracle_text(PROMPT)
     # Two printable characters the greedy output certainly contains, not at its start.
     start = next(i for i in range(1, len(full) - 1) if full[i:i + 2].isprintable()
                  and "\ufffd" not in full[i:i + 2])
     stop = full[start:start + 2]
-    out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24,
+    out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N,
                                           temperature=0, stop=[stop])
     assert out.choices[0].text == full[:full.find(stop)]
     assert out.choices[0].finish_reason == "stop"
@@ -172,7 +188,7 @@ async def test_models_list(client: openai.AsyncOpenAI, live_mesh: Mesh) -> None:
 
 async def test_seeded_sampling_is_reproducible(client: openai.AsyncOpenAI) -> None:
     async def sample(seed: int) -> str:
-        out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16,
+        out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N,
                                               temperature=1.0, seed=seed)
         return out.choices[0].text
 
@@ -181,4 +197,3 @@ async def test_seeded_sampling_is_reproducible(client: openai.AsyncOpenAI) -> No
     # The seed is really used (not greedy, not a fixed stream): other seeds diverge.
     others = {await sample(s) for s in (1, 2, 3)}
     assert others - {first}
-    assert first != expected_text(PROMPT, 16) or others != {first}
