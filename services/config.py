@@ -149,7 +149,16 @@ class ServiceConfig:
 
     @property
     def data_advertise_host(self) -> str:
-        return self.advertise_host or self.data_host
+        """The host peers dial. A wildcard bind (0.0.0.0 in containers) is not reachable
+        as such: advertise this host's own address instead, which works with --scale."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.data_host in ("0.0.0.0", "::", ""):
+            try:
+                return socket.gethostbyname(socket.gethostname())
+            except OSError:
+                return "127.0.0.1"
+        return self.data_host
 
     @property
     def fault_set(self) -> frozenset[str]:

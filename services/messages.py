@@ -295,5 +295,6 @@ class Decoder(Generic[T]):
     def decode(self, subject: str, data: bytes) -> T:
         try:
             return self._dec.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise MessageError(subject, str(exc), len(data)) from exc
+        # msgspec raises UnicodeDecodeError for invalid UTF-8 inside a str (found by fuzzing).
+        except (msgspec.MsgspecError, UnicodeDecodeError, ValueError) as exc:
+            raise MessageError(subject, f"{type(exc).__name__}: {exc}", len(data)) from exc

@@ -86,12 +86,10 @@ class WorkerBase:
         await self.heartbeat()
 
     async def _start_transport(self) -> str:
+        """Listen, then advertise the address peers can dial (never a wildcard)."""
         address = await self.transport.start()
-        advertise = self.cfg.advertise_host
-        if advertise and "://" in address:
-            scheme, rest = address.split("://", 1)
-            address = f"{scheme}://{advertise}:{rest.rsplit(':', 1)[1]}"
-        return address
+        scheme, rest = address.split("://", 1)
+        return f"{scheme}://{self.cfg.data_advertise_host}:{rest.rsplit(':', 1)[1]}"
 
     async def subscribe(self) -> None:
         """Subclasses subscribe to their subjects here."""

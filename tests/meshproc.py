@@ -152,3 +152,5 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
             proc.kill()
             proc.wait()
         reader.join(5)
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -106,6 +106,10 @@ class CapacityRegistry:
         self.expire()
         return [e.beat for e in self._workers.values()]
 
-    def get(self, worker_id: str) -> m.Heartbeat | None:
+    def get(self, worker_id: str, now: float | None = None) -> m.Heartbeat | None:
+        """The worker's latest heartbeat, or None once it is older than the TTL."""
         e = self._workers.get(worker_id)
-        return None if e is None else e.beat
+        now = time.monotonic() if now is None else now
+        if e is None or now - e.seen_at > self._ttl_s:
+            return None
+        return e.beat
