@@ -19,6 +19,7 @@ SERVE = {
     "admission": "services.admission.service",
     "prefill": "services.prefill.service",
     "decode": "services.decode.service",
+    "colocated": "services.colocated.service",
     "gateway": "gateway.app",
 }
 BENCH = {
@@ -73,6 +74,9 @@ def cmd_up(argv: Sequence[str]) -> int:
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
     parser.add_argument("--quiet", action="store_true", help="do not echo service logs")
+    parser.add_argument("--colocated", action="store_true",
+                        help="baseline mesh: one colocated worker (prefill + decode in one "
+                        "process, no KV transfer) behind the same gateway and admission")
     parser.add_argument("--keep-going", action="store_true",
                         help="keep the mesh up when one service exits (fault-injection tests "
                         "kill workers on purpose); default: stop everything")
@@ -83,13 +87,15 @@ def cmd_up(argv: Sequence[str]) -> int:
         return _fail(str(exc))
     if args.prefill < 1 or args.decode < 1:
         return _fail("--prefill and --decode must be at least 1")
+    if args.colocated and (args.prefill != 1 or args.decode != 1):
+        return _fail("--colocated runs one colocated worker; drop --prefill/--decode")
     env = {}
     for s in SETTINGS:
         if s.field in UP_FLAGS and s.field not in ("nats_url", "gateway_port"):
             env[s.env] = str(getattr(cfg, s.field))
     launcher = Launcher(nats_url=cfg.nats_url, gateway_port=cfg.gateway_port,
                         prefill=args.prefill, decode=args.decode, env=env, quiet=args.quiet,
-                        keep_going=args.keep_going)
+                        keep_going=args.keep_going, colocated=args.colocated)
     try:
         return asyncio.run(run_up(launcher))
     except PdmeshError as exc:

@@ -21,7 +21,8 @@ from services.errors import ConfigError
 TRANSPORTS = ("tcp", "ucx")
 SCRUB_POLICIES = ("none", "zero", "poison")
 MISMATCH_POLICIES = ("clamp", "fail")
-DEFAULT_HTTP_PORTS = {"admission": 8101, "prefill": 8102, "decode": 8103, "gateway": 8000}
+DEFAULT_HTTP_PORTS = {"admission": 8101, "prefill": 8102, "decode": 8103, "colocated": 8104,
+                      "gateway": 8000}
 DEV_MESH_SECRET = "pdmesh-dev-secret-change-me"
 
 
@@ -51,7 +52,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Bind host of the service's HTTP port (/health, /ready, /metrics; API on gateway)."),
     Setting("http_port", "--http-port", "PDMESH_HTTP_PORT", int, -1,
             "Service HTTP port. -1: role default (admission 8101, prefill 8102, decode 8103, "
-            "gateway: --gateway-port)."),
+            "colocated 8104, gateway: --gateway-port)."),
     Setting("gateway_port", "--gateway-port", "PDMESH_GATEWAY_PORT", int, 8000,
             "Gateway API port (OpenAI-compatible HTTP + SSE)."),
     Setting("data_host", "--data-host", "PDMESH_DATA_HOST", str, "127.0.0.1",

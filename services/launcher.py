@@ -76,13 +76,15 @@ class Launcher:
     """Owns the child processes; `stop()` is idempotent and leaves nothing running."""
 
     def __init__(self, *, nats_url: str, gateway_port: int, prefill: int, decode: int,
-                 env: dict[str, str], quiet: bool = False, keep_going: bool = False) -> None:
+                 env: dict[str, str], quiet: bool = False, keep_going: bool = False,
+                 colocated: bool = False) -> None:
         self.nats_url = nats_url
         self.gateway_port = gateway_port
         self.prefill, self.decode = prefill, decode
         self.env = env
         self.quiet = quiet
         self.keep_going = keep_going  # keep serving when a service exits (fault tests)
+        self.colocated = colocated
         self.children: list[Child] = []
         self.nats: Child | None = None
         self.specs: list[ServiceSpec] = []
@@ -105,7 +107,8 @@ class Launcher:
             return ports.setdefault((role, i), free_port())
 
         self.specs = mesh_services(prefill=self.prefill, decode=self.decode,
-                                   port_for=port_for, gateway_port=self.gateway_port)
+                                   port_for=port_for, gateway_port=self.gateway_port,
+                                   colocated=self.colocated)
         for spec in self.specs:
             env = {**os.environ, **self.env, **spec.env, "PDMESH_NATS_URL": self.nats_url}
             argv = [sys.executable, "-m", "pdmesh_cli", *spec.command]

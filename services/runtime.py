@@ -230,14 +230,17 @@ class ServiceRuntime:
             self.handler_errors.labels(self.role, subject).inc()
             log.exception("%s: handler for %s failed", self.role, msg.subject)
 
-    async def serve_stats(self, provider: Callable[[], m.StatsReply]) -> None:
-        """Answer `stats_subject(role, worker_id)` requests (tests and `pdmesh check`)."""
+    async def serve_stats(self, provider: Callable[[], m.StatsReply],
+                          roles: tuple[str, ...] = ()) -> None:
+        """Answer `stats_subject(role, worker_id)` requests (tests and `pdmesh check`) for
+        this service's role, or for each role it heartbeats as."""
 
         async def on_msg(msg: Msg) -> None:
             await self.respond(msg, provider())
 
-        self._subs.append(await self.nc.subscribe(m.stats_subject(self.role, self.worker_id),
-                                                  cb=on_msg))
+        for role in roles or (self.role,):
+            self._subs.append(await self.nc.subscribe(m.stats_subject(role, self.worker_id),
+                                                      cb=on_msg))
 
     async def publish(self, subject: str, msg: msgspec.Struct) -> None:
         await self.nc.publish(subject, m.encode(msg))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-SERVICES = ("admission", "prefill", "decode", "gateway")
+SERVICES = ("admission", "prefill", "decode", "colocated", "gateway")
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,16 @@ class ServiceSpec:
 
 def mesh_services(*, prefill: int = 1, decode: int = 1,
                   port_for: Callable[[str, int], int] | None = None,
-                  gateway_port: int = 8000) -> list[ServiceSpec]:
+                  gateway_port: int = 8000, colocated: bool = False) -> list[ServiceSpec]:
     """Admission, `prefill` prefill workers, `decode` decode workers and the gateway.
 
     `port_for(role, index)` gives each worker's HTTP port; by default the role's fixed
     port (one worker per role per host, as in compose with its own network namespace).
     Startup order matters: admission first (it must hear the workers' first heartbeats),
-    the gateway last.
+    the gateway last. `colocated`: one colocated worker (prefill + decode in one process,
+    no KV transfer) replaces the prefill and decode workers: the baseline mesh.
     """
-    defaults = {"admission": 8101, "prefill": 8102, "decode": 8103}
+    defaults = {"admission": 8101, "prefill": 8102, "decode": 8103, "colocated": 8104}
 
     def port(role: str, i: int) -> int:
         return port_for(role, i) if port_for else defaults[role]
@@ -46,7 +47,8 @@ def mesh_services(*, prefill: int = 1, decode: int = 1,
     specs = [ServiceSpec("admission", "admission", ("serve", "admission"),
                          {"PDMESH_HTTP_PORT": str(port("admission", 0))},
                          port("admission", 0))]
-    for role, count in (("prefill", prefill), ("decode", decode)):
+    workers = (("colocated", 1),) if colocated else (("prefill", prefill), ("decode", decode))
+    for role, count in workers:
         for i in range(count):
             name = f"{role}-{i}" if count > 1 else role
             specs.append(ServiceSpec(name, role, ("serve", role),

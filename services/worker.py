@@ -38,6 +38,8 @@ class WorkerBase:
     """Prefill and decode services extend this; it owns engine, pool and transport."""
 
     role: m.Role
+    # Roles announced in heartbeats; a colocated worker announces prefill and decode.
+    advertised_roles: tuple[m.Role, ...] = ()
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
@@ -79,7 +81,8 @@ class WorkerBase:
             raise StartupError(self.cfg.role, f"data plane {self.cfg.data_host}:"
                                f"{self.cfg.data_port}", exc.strerror or str(exc)) from None
         await self.subscribe()
-        await rt.serve_stats(self.stats)
+        await rt.serve_stats(self.stats, roles=tuple(
+            r.value for r in self.advertised_roles or (self.role,)))
         rt.on_drain(self._on_drain)
         rt.every(self.cfg.heartbeat_s, self.heartbeat, "heartbeat")
         rt.mark_ready()
@@ -118,9 +121,10 @@ class WorkerBase:
             return
         cache = getattr(self, "prefix_cache", None)  # prefill workers only
         summary_limit = 512  # prefix hashes per heartbeat (~4.5 KiB of msgpack)
-        await self.rt.publish(m.heartbeat_subject(self.role.value, self.cfg.worker_id),
-                              m.Heartbeat(
-            worker_id=self.cfg.worker_id, role=self.role, model=self.model.name,
+        for role in self.advertised_roles or (self.role,):
+            await self.rt.publish(m.heartbeat_subject(role.value, self.cfg.worker_id),
+                                  m.Heartbeat(
+            worker_id=self.cfg.worker_id, role=role, model=self.model.name,
             data_address=self.data_address,
             http_address=f"http://{self.cfg.http_host}:{self.rt.http_port}",
             # Unpinned cached pages count as free: an allocation evicts them on demand.

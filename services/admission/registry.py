@@ -33,27 +33,31 @@ class _Entry:
 
 
 class CapacityRegistry:
+    """Entries are keyed by (role, worker id): a colocated worker heartbeats as both a
+    prefill and a decode worker under one id."""
+
     def __init__(self, ttl_s: float) -> None:
         self._ttl_s = ttl_s
-        self._workers: dict[str, _Entry] = {}
+        self._workers: dict[tuple[m.Role, str], _Entry] = {}
 
     def observe(self, beat: m.Heartbeat, now: float | None = None) -> None:
         """Record a heartbeat; a draining worker leaves at once."""
+        key = (beat.role, beat.worker_id)
         if beat.draining or not beat.ready:
-            self._workers.pop(beat.worker_id, None)
+            self._workers.pop(key, None)
             return
-        self._workers[beat.worker_id] = _Entry(beat, time.monotonic() if now is None else now,
-                                               prefix_set=frozenset(beat.prefix_hashes))
+        self._workers[key] = _Entry(beat, time.monotonic() if now is None else now,
+                                    prefix_set=frozenset(beat.prefix_hashes))
 
     def expire(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
-        gone = [w for w, e in self._workers.items() if now - e.seen_at > self._ttl_s]
-        for w in gone:
-            del self._workers[w]
-        return gone
+        gone = [k for k, e in self._workers.items() if now - e.seen_at > self._ttl_s]
+        for k in gone:
+            del self._workers[k]
+        return [f"{role.value} {wid}" for role, wid in gone]
 
-    def charge(self, worker_id: str, num_tokens: int) -> None:
-        entry = self._workers.get(worker_id)
+    def charge(self, role: m.Role, worker_id: str, num_tokens: int) -> None:
+        entry = self._workers.get((role, worker_id))
         if entry is not None:
             pages = pages_for(num_tokens, max(entry.beat.page_tokens, 1))
             entry.charged_tokens += pages * entry.beat.page_tokens
@@ -107,9 +111,8 @@ class CapacityRegistry:
         return [e.beat for e in self._workers.values()]
 
     def get(self, worker_id: str, now: float | None = None) -> m.Heartbeat | None:
-        """The worker's latest heartbeat, or None once it is older than the TTL."""
-        e = self._workers.get(worker_id)
+        """The worker's latest heartbeat (any role), or None once older than the TTL."""
         now = time.monotonic() if now is None else now
-        if e is None or now - e.seen_at > self._ttl_s:
-            return None
-        return e.beat
+        fresh = [e for (_, wid), e in self._workers.items()
+                 if wid == worker_id and now - e.seen_at <= self._ttl_s]
+        return max(fresh, key=lambda e: e.seen_at).beat if fresh else None

@@ -103,7 +103,9 @@ class AdmissionService:
         prompt_len = len(req.prompt_ids)
         tried: set[str] = set()
         while True:
-            prefills = self.registry.views(m.Role.PREFILL)
+            # Cache-aware: each prefill's view says how much of this tenant's prompt it holds.
+            prefills = self.registry.views(m.Role.PREFILL, cache_salt=req.cache_salt,
+                                           prompt_ids=req.prompt_ids)
             decodes = [d for d in self.registry.views(m.Role.DECODE) if d.worker_id not in tried]
             if req.fault == "bypass_admission" and self.request_faults and prefills and decodes:
                 # Test-only: skip the length checks so the workers' own gates are exercised.
@@ -168,8 +170,9 @@ class AdmissionService:
             log.info("decode %s refused %s: %s", decode.worker_id, req.request_id, res.error)
             return None
         self.reservations.labels("ok").inc()
-        self.registry.charge(decode.worker_id, len(req.prompt_ids) + req.max_tokens)
-        self.registry.charge(prefill.worker_id, len(req.prompt_ids))
+        self.registry.charge(m.Role.DECODE, decode.worker_id,
+                             len(req.prompt_ids) + req.max_tokens)
+        self.registry.charge(m.Role.PREFILL, prefill.worker_id, len(req.prompt_ids))
         await self.rt.publish(m.dispatch_subject(prefill.worker_id), m.PrefillDispatch(
             ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
             reservation_id=res.reservation_id, epoch=res.epoch, page_ids=res.page_ids,

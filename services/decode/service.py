@@ -145,14 +145,6 @@ class DecodeService(WorkerBase):
             return m.ReserveReply(ok=False, request_id=t.request_id,
                                   code=m.FailCode.RESERVE_FAILED, error=str(exc))
         reservation_id = str(uuid.UUID(lease.lease_id))
-        n_prompt_pages = -(-t.prompt_len // self.pool.spec.page_size)
-        prompt_pages = lease.page_ids[:n_prompt_pages]
-        target = ExpectedTransfer(
-            reservation_id=reservation_id, epoch=lease.epoch, page_ids=prompt_pages,
-            page_buffers=[self.pool.page_buffer(lease, i) for i in range(n_prompt_pages)],
-            page_bytes=self.pool.spec.bytes_per_page, page_tokens=self.pool.spec.page_size,
-            num_tokens=t.prompt_len, deadline_s=self.cfg.transfer_deadline_s)
-        fut = self.transport.expect(target)
         dreq = DecodeRequest(ticket=t, lease=lease, reservation_id=reservation_id,
                              sampler=Sampler(SamplingParams(
                                  temperature=req.sampling.temperature,
@@ -160,14 +152,28 @@ class DecodeService(WorkerBase):
                                  max_tokens=t.max_tokens)))
         dreq.sampler.skip(1)  # prefill samples the first token
         self.requests[t.request_id] = dreq
-        dreq.transfer_task = self.rt.spawn(self._await_transfer(dreq, fut),
-                                           f"transfer:{t.request_id}")
+        prompt_pages = self._expect_kv(dreq)
         self.reservations.labels("ok").inc()
         return m.ReserveReply(ok=True, request_id=t.request_id, reservation_id=reservation_id,
                               epoch=lease.epoch, page_ids=list(prompt_pages),
                               page_tokens=self.pool.spec.page_size,
                               page_bytes=self.pool.spec.bytes_per_page,
                               data_address=self.data_address)
+
+    def _expect_kv(self, dreq: DecodeRequest) -> tuple[int, ...]:
+        """Register the lease's prompt pages with the transport; return their page ids."""
+        t, lease = dreq.ticket, dreq.lease
+        n_prompt_pages = -(-t.prompt_len // self.pool.spec.page_size)
+        prompt_pages = lease.page_ids[:n_prompt_pages]
+        target = ExpectedTransfer(
+            reservation_id=dreq.reservation_id, epoch=lease.epoch, page_ids=prompt_pages,
+            page_buffers=[self.pool.page_buffer(lease, i) for i in range(n_prompt_pages)],
+            page_bytes=self.pool.spec.bytes_per_page, page_tokens=self.pool.spec.page_size,
+            num_tokens=t.prompt_len, deadline_s=self.cfg.transfer_deadline_s)
+        fut = self.transport.expect(target)
+        dreq.transfer_task = self.rt.spawn(self._await_transfer(dreq, fut),
+                                           f"transfer:{t.request_id}")
+        return prompt_pages
 
     async def _await_transfer(self, dreq: DecodeRequest,
                               fut: asyncio.Future[TransferResult]) -> None:
@@ -196,8 +202,12 @@ class DecodeService(WorkerBase):
             remaining -= page
         self.transfers.labels("ok").inc()
         self.kv_bytes.labels("in").inc(result.bytes)
+        await self._start_decoding(dreq, result.first_token)
+
+    async def _start_decoding(self, dreq: DecodeRequest, first_token: int) -> None:
+        """The prompt's KV is in this lease and verified: publish the first token, decode."""
         dreq.state = advance(dreq.request_id, dreq.state, RequestState.TRANSFERRED)
-        await self._emit(dreq, result.first_token)
+        await self._emit(dreq, first_token)
         if not dreq.state.is_terminal:
             dreq.state = advance(dreq.request_id, dreq.state, RequestState.DECODING)
             self._work.set()

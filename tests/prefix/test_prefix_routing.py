@@ -100,7 +100,7 @@ def test_admission_charges_queue_depth_between_heartbeats() -> None:
     """A burst must not pile onto the warm worker on a stale view."""
     registry = registry_with(beat("p-a"), beat("p-b", cache=warm_cache(ALICE, PROMPT)))
     for _ in range(2):
-        registry.charge("p-b", len(PROMPT))
+        registry.charge(m.Role.PREFILL, "p-b", len(PROMPT))
     views = {v.worker_id: v for v in registry.views(m.Role.PREFILL, cache_salt=ALICE,
                                                     prompt_ids=PROMPT)}
     assert views["p-b"].queue_depth == 2 and views["p-a"].queue_depth == 0
