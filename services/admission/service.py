@@ -102,25 +102,29 @@ class AdmissionService:
         deadline = loop.time() + self.cfg.queue_timeout_s
         prompt_len = len(req.prompt_ids)
         tried: set[str] = set()
+        decision: Admitted | Rejected
         while True:
             # Cache-aware: each prefill's view says how much of this tenant's prompt it holds.
             prefills = self.registry.views(m.Role.PREFILL, cache_salt=req.cache_salt,
                                            prompt_ids=req.prompt_ids)
             decodes = [d for d in self.registry.views(m.Role.DECODE) if d.worker_id not in tried]
-            if req.fault == "bypass_admission" and self.request_faults and prefills and decodes:
+            if tried and not decodes:
+                pass  # every live decode refused this request: keep its refusal as the answer
+            elif req.fault == "bypass_admission" and self.request_faults and prefills and decodes:
                 # Test-only: skip the length checks so the workers' own gates are exercised.
-                decision: Admitted | Rejected = Admitted(prefill=prefills[0], decode=decodes[0])
+                decision = Admitted(prefill=prefills[0], decode=decodes[0])
             else:
                 decision = decide(prompt_len, req.max_tokens, prefills, decodes)
             if isinstance(decision, Admitted):
                 reply = await self._reserve_and_dispatch(req, decision)
-                if reply is not None:
+                if isinstance(reply, m.SubmitReply):
                     return reply
                 # That decode refused (its pool changed since its heartbeat): prefer the
                 # others until its next heartbeat shows what it really has.
                 tried.add(decision.decode.worker_id)
                 decision = Rejected(m.RejectReason.SATURATED,
-                                    "no decode worker could reserve the KV pages")
+                                    f"decode worker {decision.decode.worker_id} could not "
+                                    f"reserve the KV pages: {reply}")
             elif decision.reason is not m.RejectReason.SATURATED:
                 return self._reject(req, decision)
             if loop.time() >= deadline:
@@ -141,8 +145,9 @@ class AdmissionService:
             max_tokens=req.max_tokens, limit=rej.limit))
 
     async def _reserve_and_dispatch(self, req: m.SubmitRequest,
-                                    decision: Admitted) -> m.SubmitReply | None:
-        """Only an `Admitted` decision reaches here: reserve on decode, then dispatch."""
+                                    decision: Admitted) -> m.SubmitReply | str:
+        """Only an `Admitted` decision reaches here: reserve on decode, then dispatch.
+        Returns the admitted reply, or why the decode worker did not reserve."""
         if not isinstance(decision, Admitted):  # defence in depth; the type says it already
             self.rejected_handoffs.inc()
             raise TypeError("only admitted requests may be handed off")
@@ -164,11 +169,11 @@ class AdmissionService:
             # The decode worker may have reserved after our deadline: tell it to let go.
             await self.rt.publish(m.ABORT_SUBJECT, m.Abort(
                 request_id=req.request_id, code=m.FailCode.RESERVE_FAILED, detail=str(exc)))
-            return None
+            return str(exc)
         if not res.ok:
             self.reservations.labels("refused").inc()
             log.info("decode %s refused %s: %s", decode.worker_id, req.request_id, res.error)
-            return None
+            return res.error or "refused"
         self.reservations.labels("ok").inc()
         self.registry.charge(m.Role.DECODE, decode.worker_id,
                              len(req.prompt_ids) + req.max_tokens)

@@ -133,3 +133,17 @@ def test_mesh_still_serves_the_oracle_after_the_faults(mesh: Mesh) -> None:
         "model": "tiny", "prompt": "still correct", "max_tokens": 10, "temperature": 0})
     assert status == 200, body
     assert body["choices"][0]["text"] == expected_text("still correct", 10)
+
+
+def test_admission_bypassed_the_workers_still_refuse(mesh: Mesh) -> None:
+    """Defence in depth: with admission's checks switched off (test fault), an over-capacity
+    request is still refused by decode's own gate: no lease, no prefill, no 200."""
+    before = _work(mesh)
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": "w" * (mesh.max_context - 8), "max_tokens": 64},
+        headers={"X-Pdmesh-Fault": "bypass_admission"})
+    assert status == 429, body  # refused by every decode worker, never served
+    assert "exceed" in body["error"]["message"], body
+    after = _work(mesh)
+    assert after[(m.Role.PREFILL, "bootstraps")] == before[(m.Role.PREFILL, "bootstraps")]
+    assert after[(m.Role.DECODE, "transfers")] == before[(m.Role.DECODE, "transfers")]
