@@ -84,6 +84,7 @@ class FailCode(enum.IntEnum):
     DEADLINE = 6
     INTERNAL = 7
     PEER_RELEASED = 8  # the other side gave up first
+    REFUSED = 9  # a worker's own capacity gate refuses the request outright (static)
 
 
 # ---------------------------------------------------------------------------------------

@@ -119,6 +119,8 @@ class AdmissionService:
                 reply = await self._reserve_and_dispatch(req, decision)
                 if isinstance(reply, m.SubmitReply):
                     return reply
+                if isinstance(reply, Rejected):  # the decode's own gate: final, no queueing
+                    return self._reject(req, reply)
                 # That decode refused (its pool changed since its heartbeat): prefer the
                 # others until its next heartbeat shows what it really has.
                 tried.add(decision.decode.worker_id)
@@ -145,9 +147,10 @@ class AdmissionService:
             max_tokens=req.max_tokens, limit=rej.limit))
 
     async def _reserve_and_dispatch(self, req: m.SubmitRequest,
-                                    decision: Admitted) -> m.SubmitReply | str:
+                                    decision: Admitted) -> m.SubmitReply | Rejected | str:
         """Only an `Admitted` decision reaches here: reserve on decode, then dispatch.
-        Returns the admitted reply, or why the decode worker did not reserve."""
+        Returns the admitted reply, a final rejection (the decode's own capacity gate refused
+        it), or why the decode worker did not reserve now (worth another try)."""
         if not isinstance(decision, Admitted):  # defence in depth; the type says it already
             self.rejected_handoffs.inc()
             raise TypeError("only admitted requests may be handed off")
@@ -173,6 +176,9 @@ class AdmissionService:
         if not res.ok:
             self.reservations.labels("refused").inc()
             log.info("decode %s refused %s: %s", decode.worker_id, req.request_id, res.error)
+            if res.code == m.FailCode.REFUSED:
+                return Rejected(m.RejectReason.EXCEEDS_DECODE_POOL,
+                                f"decode worker {decode.worker_id} refuses: {res.error}")
             return res.error or "refused"
         self.reservations.labels("ok").inc()
         self.registry.charge(m.Role.DECODE, decode.worker_id,

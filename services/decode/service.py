@@ -131,13 +131,15 @@ class DecodeService(WorkerBase):
         total = t.prompt_len + t.max_tokens
         refusal = decode_refusal(t.prompt_len, t.max_tokens, self.pool.capacity_tokens,
                                  self.pool.spec.page_size, self.served_context)
-        if t.request_id in self.requests:
-            refusal = "duplicate request id"
         if refusal:
             # Defence in depth: admission applies the same rules and should never send this.
             self.reservations.labels("refused").inc()
+            return m.ReserveReply(ok=False, request_id=t.request_id, code=m.FailCode.REFUSED,
+                                  error=refusal)
+        if t.request_id in self.requests:
+            self.reservations.labels("refused").inc()
             return m.ReserveReply(ok=False, request_id=t.request_id,
-                                  code=m.FailCode.RESERVE_FAILED, error=refusal)
+                                  code=m.FailCode.RESERVE_FAILED, error="duplicate request id")
         try:
             lease = self.pool.allocate(t.request_id, total)
         except PoolExhaustedError as exc:

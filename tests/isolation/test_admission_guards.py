@@ -142,8 +142,9 @@ def test_admission_bypassed_the_workers_still_refuse(mesh: Mesh) -> None:
     status, body = mesh.http("POST", "/v1/completions", {
         "model": "tiny", "prompt": "w" * (mesh.max_context - 8), "max_tokens": 64},
         headers={"X-Pdmesh-Fault": "bypass_admission"})
-    assert status == 429, body  # refused by every decode worker, never served
-    assert "exceed" in body["error"]["message"], body
+    assert status == 400, body  # refused by decode's own gate, never served
+    assert body["error"]["code"] == "context_length_exceeded", body
+    assert "decode worker" in body["error"]["message"] and "exceed" in body["error"]["message"]
     after = _work(mesh)
     assert after[(m.Role.PREFILL, "bootstraps")] == before[(m.Role.PREFILL, "bootstraps")]
     assert after[(m.Role.DECODE, "transfers")] == before[(m.Role.DECODE, "transfers")]
