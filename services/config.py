@@ -101,8 +101,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("request_timeout_s", "--request-timeout-s", "PDMESH_REQUEST_TIMEOUT_S", float, 120.0,
             "Gateway: end-to-end deadline of one request."),
     Setting("faults", "--faults", "PDMESH_FAULTS", str, "",
-            "Test-only fault injection (comma list, see docs/FAULTS.md). Refused unless "
-            "PDMESH_ALLOW_FAULTS=1."),
+            "Test-only fault injection: `request_faults` honours the X-Pdmesh-Fault request "
+            "header (names in services/faults.py). Refused unless PDMESH_ALLOW_FAULTS=1."),
     Setting("log_level", "--log-level", "PDMESH_LOG_LEVEL", str, "INFO", "Logging level."),
 )
 
