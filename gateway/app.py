@@ -27,6 +27,7 @@ from services import messages as m
 from services.admission.registry import CapacityRegistry
 from services.config import ServiceConfig
 from services.engine.models import load_model
+from services.engine.tokenizer import ChatTemplateError
 from services.faults import FAULT_HEADER, REQUEST_FAULTS
 from services.runtime import ServiceRuntime
 
@@ -170,7 +171,12 @@ class Gateway:
                     p.text for p in (msg.content or []))
                 messages.append({"role": msg.role, "content": content})
             # tiny: plain "<|role|>" lines; checkpoints: their own template (gateway/README)
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+            try:
+                prompt = self.tokenizer.apply_chat_template(messages)
+            except ChatTemplateError as exc:
+                raise ApiError(400, f"the model's chat template refused the messages: {exc}",
+                               param="messages") from None
+            ids = self.tokenizer.encode(prompt)
         return await self._generate(request, tenant, body, ids, chat=True)
 
     async def _generate(self, request: web.Request, tenant: Tenant,

@@ -59,6 +59,10 @@ class ByteTokenizer:
         return "".join(parts) + "<|assistant|>\n"
 
 
+class ChatTemplateError(ValueError):
+    """The checkpoint's chat template refused the messages (answered as a 400)."""
+
+
 class HFTokenizer:
     """A `tokenizers.Tokenizer` plus the eos ids and the chat template of its checkpoint.
 
@@ -79,6 +83,7 @@ class HFTokenizer:
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._template = None  # compiled on first use
 
     @property
     def vocab_size(self) -> int:
@@ -95,18 +100,39 @@ class HFTokenizer:
         return self.core.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        if self.chat_template:
-            try:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
+        """Render the checkpoint's template (compiled once); ChatML when it has none.
 
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                template = env.from_string(self.chat_template)
-                return template.render(
-                    messages=messages,
-                    add_generation_prompt=True,
-                    bos_token=self.bos_token,
-                    eos_token=self.eos_token,
-                )
-            except Exception:  # noqa: BLE001 - any template problem falls back to ChatML
-                pass
-        return chatml(messages)
+        A template that refuses the conversation (many raise on purpose, e.g. "roles must
+        alternate") raises ChatTemplateError: serving a different prompt than the checkpoint
+        expects would be a silent wrong answer.
+        """
+        template = self._compiled()
+        if template is None:
+            return chatml(messages)
+        try:
+            return template.render(messages=messages, add_generation_prompt=True,
+                                   bos_token=self.bos_token, eos_token=self.eos_token)
+        except Exception as exc:  # noqa: BLE001 - any refusal by the template is the client's
+            raise ChatTemplateError(str(exc)) from None
+
+    def _compiled(self):  # noqa: ANN202 - jinja2 Template or None
+        if not self.chat_template:
+            return None
+        if self._template is None:
+            try:
+                from jinja2 import TemplateError
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError:  # jinja2 is a dependency; without it, the documented fallback
+                return None
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception  # HF templates call this
+            try:
+                self._template = env.from_string(self.chat_template)
+            except TemplateError:
+                self.chat_template = None  # unusable template: ChatML, as documented
+                return None
+        return self._template
