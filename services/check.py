@@ -93,7 +93,8 @@ class WorkerRow:
             s = self.stats
             out["stats"] = {
                 "live_leases": s.live_leases, "leased_pages": s.leased_pages,
-                "free_pages": s.free_pages, "total_pages": s.total_pages,
+                "free_pages": s.free_pages, "cached_pages": s.cached_pages,
+                "total_pages": s.total_pages,
                 "integrity_ok": s.integrity_ok, "integrity_error": s.integrity_error,
                 "counters": dict(s.counters)}
         return out
@@ -176,11 +177,11 @@ def _cells(r: WorkerRow) -> list[str]:
 
 def _stats_cells(r: WorkerRow) -> list[str]:
     if r.stats is None:
-        return [r.beat.worker_id, "-", "-", "-", r.stats_error or "not asked"]
+        return [r.beat.worker_id, "-", "-", "-", "-", r.stats_error or "not asked"]
     s = r.stats
     integrity = "ok" if s.integrity_ok else f"!! FAILED: {s.integrity_error} !!"
     return [r.beat.worker_id, str(s.live_leases), f"{s.leased_pages}/{s.total_pages}",
-            str(s.free_pages), integrity]
+            str(s.free_pages), str(s.cached_pages), integrity]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -197,7 +198,8 @@ def format_report(rows: Sequence[WorkerRow], result: Verdict, *,
     out = _table(COLUMNS, [_cells(r) for r in rows]) if rows else ["(no worker answered)"]
     if with_stats and rows:
         out += ["", *_table(("worker", "leases", "leased/total pages", "free pages",
-                             "pool integrity"), [_stats_cells(r) for r in rows])]
+                             "cached pages", "pool integrity"),
+                            [_stats_cells(r) for r in rows])]
     out.append("")
     for p in result.problems:
         out.append(f"!! CAPACITY CHECK: {p}")

@@ -252,6 +252,7 @@ class StatsReply(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
     # rejected request reached no worker (I1).
     request_ids: list[str] = []
     pid: int = 0
+    cached_pages: int = 0  # prefix-cache pages (free + leased + cached == total)
 
 
 ControlMessage = (

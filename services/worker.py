@@ -159,7 +159,8 @@ class WorkerBase:
             leased_pages=self.pool.num_leased_pages, free_pages=self.pool.num_free_pages,
             total_pages=self.pool.num_pages, live_leases=len(self.pool.live_leases()),
             integrity_ok=not integrity_error, integrity_error=integrity_error,
-            request_ids=list(self.seen_requests), pid=os.getpid())
+            request_ids=list(self.seen_requests), pid=os.getpid(),
+            cached_pages=self.pool.num_cached_pages)
 
 
 async def run_worker(worker: WorkerBase) -> None:

@@ -49,7 +49,8 @@ def test_check_shows_the_clamp_on_the_live_mesh(live_mesh: Mesh) -> None:
         stats = w["stats"]
         assert stats is not None, w["stats_error"]
         assert stats["integrity_ok"] is True
-        assert stats["leased_pages"] + stats["free_pages"] == stats["total_pages"] > 0
+        assert (stats["leased_pages"] + stats["free_pages"] + stats["cached_pages"]
+                == stats["total_pages"] > 0)
     assert sorted(report["mismatches"]) == sorted(w["worker_id"] for w in report["workers"])
     # Loud in the human table too.
     assert "!! CLAMPED !!" in res.stdout
