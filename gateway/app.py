@@ -26,7 +26,7 @@ from gateway.tenants import Tenant, TenantDirectory
 from services import messages as m
 from services.admission.registry import CapacityRegistry
 from services.config import ServiceConfig
-from services.engine.models import load_model
+from services.engine.models import load_tokenizer
 from services.engine.tokenizer import ChatTemplateError
 from services.faults import FAULT_HEADER, REQUEST_FAULTS
 from services.runtime import ServiceRuntime
@@ -50,9 +50,7 @@ class Gateway:
         self.rt.extra_ready = self._workers_ready  # type: ignore[method-assign]
         self.tenants = TenantDirectory.load(cfg.tenants_file, cfg.mesh_secret)
         # The gateway tokenizes and detokenizes; it needs the tokenizer, not the weights.
-        loaded = load_model(cfg.model)
-        self.tokenizer, self.model_name = loaded.tokenizer, loaded.name
-        del loaded
+        self.tokenizer, self.model_name = load_tokenizer(cfg.model)
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
         self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
         # Admission may queue a request up to queue_timeout_s before answering.

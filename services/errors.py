@@ -9,7 +9,7 @@ class PdmeshError(Exception):
     """Base class: every pdmesh error renders as one clear line."""
 
 
-class ConfigError(PdmeshError):
+class ConfigError(PdmeshError, ValueError):
     """A setting has a bad value; raised once at start, before anything runs."""
 
     def __init__(self, field: str, value: Any, reason: str) -> None:

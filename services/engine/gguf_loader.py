@@ -103,6 +103,11 @@ def _tensor(reader_tensors: dict, name: str) -> np.ndarray:
     return data.reshape(shape)
 
 
+def load_gguf_tokenizer(path: str | Path) -> HFTokenizer:
+    """Only the tokenizer of a GGUF file (metadata; no tensor is dequantized)."""
+    return _tokenizer(GGUFReader(str(path)))
+
+
 def load_gguf(path: str | Path) -> LoadedModel:
     reader = GGUFReader(str(path))
     config = _config(reader)

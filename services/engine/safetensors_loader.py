@@ -84,8 +84,14 @@ def load_safetensors(directory: str | Path) -> LoadedModel:
     lm_head = get("lm_head.weight") if "lm_head.weight" in state else embed
     weights = ModelWeights(embed=embed, layers=layers, norm=get("model.norm.weight"),
                            lm_head=lm_head)
+    return LoadedModel(config, weights, load_safetensors_tokenizer(directory), directory.name)
+
+
+def load_safetensors_tokenizer(directory: str | Path) -> HFTokenizer:
+    """Only the tokenizer of a checkpoint directory (tokenizer.json + configs)."""
+    directory = Path(directory)
+    hf = _read_json(directory / "config.json")
     core = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tok_config = _read_json(directory / "tokenizer_config.json")
-    tokenizer = HFTokenizer(core, _eos_ids(directory, hf, core),
-                            chat_template=tok_config.get("chat_template"))
-    return LoadedModel(config, weights, tokenizer, directory.name)
+    return HFTokenizer(core, _eos_ids(directory, hf, core),
+                       chat_template=tok_config.get("chat_template"))
