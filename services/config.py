@@ -77,6 +77,9 @@ SETTINGS: tuple[Setting, ...] = (
             "context (logged loudly) or `fail` at start.", MISMATCH_POLICIES),
     Setting("scrub", "--scrub", "PDMESH_SCRUB", str, "none",
             "What freed KV pages get: `none`, `zero` or `poison`.", SCRUB_POLICIES),
+    Setting("torch_threads", "--torch-threads", "PDMESH_TORCH_THREADS", int, 0,
+            "CPU threads for the engine of a prefill/decode worker. 0: torch's default. "
+            "`pdmesh up` splits the host's cores between its workers unless this is set."),
     Setting("max_batch", "--max-batch", "PDMESH_MAX_BATCH", int, 16,
             "Decode continuous-batch size."),
     Setting("heartbeat_s", "--heartbeat-s", "PDMESH_HEARTBEAT_S", float, 0.5,
@@ -127,6 +130,7 @@ class ServiceConfig:
     page_tokens: int
     on_capacity_mismatch: str
     scrub: str
+    torch_threads: int
     max_batch: int
     heartbeat_s: float
     worker_ttl_s: float
@@ -229,6 +233,8 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")
     if cfg.max_context < 0:
         raise ConfigError("max_context", cfg.max_context, "must be >= 0")
+    if cfg.torch_threads < 0:
+        raise ConfigError("torch_threads", cfg.torch_threads, "must be >= 0")
     for field in ("heartbeat_s", "worker_ttl_s", "queue_timeout_s", "reserve_timeout_s", "transfer_deadline_s",
                   "ticket_ttl_s", "nats_connect_timeout_s", "request_timeout_s"):
         if not getattr(cfg, field) > 0:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from prometheus_client import Counter, Gauge
 
 from kvstore import KVPool, ScrubPolicy
@@ -43,6 +44,10 @@ class WorkerBase:
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
+        if cfg.torch_threads:
+            # Workers sharing a host should split its cores: oversubscribed torch threads
+            # spin against each other (thread count does not change the results).
+            torch.set_num_threads(cfg.torch_threads)
         self.rt = ServiceRuntime(cfg)
         self.model = load_model(cfg.model)
         self.pool: KVPool = make_pool(self.model, num_pages=cfg.kv_pages,
