@@ -78,8 +78,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("scrub", "--scrub", "PDMESH_SCRUB", str, "none",
             "What freed KV pages get: `none`, `zero` or `poison`.", SCRUB_POLICIES),
     Setting("torch_threads", "--torch-threads", "PDMESH_TORCH_THREADS", int, 0,
-            "CPU threads for the engine of a prefill/decode worker. 0: torch's default. "
-            "`pdmesh up` splits the host's cores between its workers unless this is set."),
+            "CPU threads for the engine of a prefill/decode worker. 0: torch's default (all "
+            "cores). Pin it when workers share a host (results do not depend on it)."),
     Setting("max_batch", "--max-batch", "PDMESH_MAX_BATCH", int, 16,
             "Decode continuous-batch size."),
     Setting("heartbeat_s", "--heartbeat-s", "PDMESH_HEARTBEAT_S", float, 0.5,

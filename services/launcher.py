@@ -109,12 +109,8 @@ class Launcher:
         self.specs = mesh_services(prefill=self.prefill, decode=self.decode,
                                    port_for=port_for, gateway_port=self.gateway_port,
                                    colocated=self.colocated)
-        workers = sum(1 for s in self.specs if s.role in ("prefill", "decode", "colocated"))
-        threads = str(max(1, (os.cpu_count() or 1) // max(workers, 1)))
         for spec in self.specs:
             env = {**os.environ, **self.env, **spec.env, "PDMESH_NATS_URL": self.nats_url}
-            # Split the host's cores between the engine workers unless told otherwise.
-            env.setdefault("PDMESH_TORCH_THREADS", threads)
             argv = [sys.executable, "-m", "pdmesh_cli", *spec.command]
             self.children.append(await self._spawn(spec.name, argv, env))
         for spec in self.specs:
