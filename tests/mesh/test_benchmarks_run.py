@@ -1,0 +1,43 @@
+"""The benchmarks run and print their JSON (figures are reported, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.meshproc import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _json_last_line(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "pdmesh_cli", "bench", *args, "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_engine_json() -> None:
+    got = _json_last_line("engine", "--prompt-len", "256", "--context-len", "64", "--steps",
+                          "4")
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s_b1", "decode_tokens_per_s_b16",
+                "paged_vs_contiguous_b1", "paged_vs_contiguous_b16",
+                "lease_check_pct_of_step_b16"):
+        assert got[key] > 0, key
+
+
+def test_bench_transport_json() -> None:
+    got = _json_last_line("transport", "--kinds", "tcp", "--repeat", "1", "--budget-s", "5")
+    rows = got["results"]
+    assert [r["mib"] for r in rows] == [1, 16, 64]
+    assert all(r["transport_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+def test_bench_prefix_cache_json() -> None:
+    got = _json_last_line("prefix-cache", "--prefix-len", "1024")
+    assert got["cross_tenant_hit_tokens"] == 0
+    assert got["first_token_logits_identical"] is True
+    assert got["ttft_s_with_cache"] > 0 and got["ttft_s_without_cache"] > 0
