@@ -114,6 +114,14 @@ def test_decode_killed_mid_stream(big_mesh: Mesh) -> None:
     resp, rid = _open_stream(big_mesh, {"model": "tiny", "max_tokens": 1500, "messages": [
         {"role": "user", "content": "killed mid stream"}]})
     victim = _holder(big_mesh, decodes, rid)
+    # Mid-stream: wait until tokens flow (the KV has arrived and decode is generating).
+    streamed = 0
+    while streamed < 3:
+        line = resp.readline()  # type: ignore[attr-defined]
+        assert line, "the stream ended before decode was killed"
+        if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
+                "content"):
+            streamed += 1
     os.kill(victim.pid, signal.SIGKILL)
     t0 = time.monotonic()
     events = _rest(resp)
