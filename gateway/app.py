@@ -29,7 +29,7 @@ from services.config import ServiceConfig
 from services.engine.models import load_tokenizer
 from services.engine.tokenizer import ChatTemplateError
 from services.faults import FAULT_HEADER, REQUEST_FAULTS
-from services.runtime import ServiceRuntime
+from services.runtime import ServiceRuntime, run_service
 
 log = logging.getLogger("pdmesh.gateway")
 
@@ -217,10 +217,4 @@ class Gateway:
 
 async def serve(cfg: ServiceConfig) -> None:
     gw = Gateway(cfg)
-    gw.rt.install_signal_handlers()
-    try:
-        await gw.start()
-    except BaseException:
-        await gw.rt.drain("start failed")
-        raise
-    await gw.rt.wait_closed()
+    await run_service(gw.rt, gw.start)

@@ -317,3 +317,14 @@ class ServiceRuntime:
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
+
+
+async def run_service(rt: ServiceRuntime, start: Callable[[], Awaitable[None]]) -> None:
+    """Run one service process: drain on SIGTERM/SIGINT, clean up if start fails."""
+    rt.install_signal_handlers()
+    try:
+        await start()
+    except BaseException:
+        await rt.drain("start failed")
+        raise
+    await rt.wait_closed()

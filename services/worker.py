@@ -27,7 +27,7 @@ from services.engine.models import load_model
 from services.engine.runner import Engine, make_pool
 from services.capacity import audit_capacity
 from services.errors import StartupError
-from services.runtime import ServiceRuntime, counter_total
+from services.runtime import ServiceRuntime, counter_total, run_service
 from services.tickets import TicketVerifier
 from transports import KVTransport, make_transport
 
@@ -169,10 +169,4 @@ class WorkerBase:
 
 
 async def run_worker(worker: WorkerBase) -> None:
-    worker.rt.install_signal_handlers()
-    try:
-        await worker.start()
-    except BaseException:
-        await worker.rt.drain("start failed")
-        raise
-    await worker.rt.wait_closed()
+    await run_service(worker.rt, worker.start)

@@ -23,7 +23,7 @@ from services.admission.policy import Admitted, Rejected, WorkerView, decide
 from services.admission.registry import CapacityRegistry
 from services.config import ServiceConfig
 from services.faults import REQUEST_FAULTS
-from services.runtime import ServiceRuntime, counter_total
+from services.runtime import ServiceRuntime, counter_total, run_service
 
 log = logging.getLogger("pdmesh.admission")
 
@@ -198,10 +198,4 @@ class AdmissionService:
 
 async def serve(cfg: ServiceConfig) -> None:
     svc = AdmissionService(cfg)
-    svc.rt.install_signal_handlers()
-    try:
-        await svc.start()
-    except BaseException:
-        await svc.rt.drain("start failed")
-        raise
-    await svc.rt.wait_closed()
+    await run_service(svc.rt, svc.start)
