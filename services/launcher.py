@@ -118,9 +118,11 @@ class Launcher:
                                   READY_TIMEOUT_S)
 
     async def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the
+        # services first and nats-server last (they still die with it: PDEATHSIG).
         proc = await asyncio.create_subprocess_exec(
             *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            preexec_fn=_die_with_parent)
+            preexec_fn=_die_with_parent, start_new_session=True)
         pump = asyncio.get_running_loop().create_task(self._pump(name, proc), name=f"log:{name}")
         return Child(name, proc, pump)
 

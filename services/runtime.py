@@ -33,6 +33,7 @@ from services.config import DEV_MESH_SECRET, ServiceConfig
 from services.errors import StartupError
 
 log = logging.getLogger("pdmesh.runtime")
+DRAIN_TIMEOUT_S = 3.0  # flushing NATS on shutdown; a dead server must not hold us longer
 T = TypeVar("T")
 
 
@@ -121,6 +122,7 @@ class ServiceRuntime:
                     servers=self.cfg.nats_servers, name=f"{self.role}:{self.worker_id}",
                     connect_timeout=1, allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25, ping_interval=5, max_outstanding_pings=2,
+                    drain_timeout=DRAIN_TIMEOUT_S,
                     error_cb=self._on_nats_error, disconnected_cb=self._on_disconnect,
                     reconnected_cb=self._on_reconnect),
                     max(deadline - time.monotonic(), 0.1))
@@ -297,8 +299,10 @@ class ServiceRuntime:
             with contextlib.suppress(Exception):
                 await hook()
         if self.nc.is_connected:
+            # nats-py bounds the drain itself (drain_timeout); cancelling it from outside
+            # leaves an unretrieved gather behind.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.drain(), 5)
+                await self.nc.drain()
         current = asyncio.current_task()
         tasks = [t for t in self._tasks if t is not current]
         for t in tasks:
