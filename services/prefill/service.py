@@ -205,7 +205,8 @@ class PrefillService(WorkerBase):
             ack = await self._send(d, plan, buffers)
             self.kv_bytes.labels("out").inc(ack.bytes)
             self.transfers.labels("ok").inc()
-            job.state = advance(job.request_id, job.state, RequestState.TRANSFERRED)
+            if not job.state.is_terminal:  # an abort during the send already ended it
+                job.state = advance(job.request_id, job.state, RequestState.TRANSFERRED)
         except _SilentFailure:
             job.state = RequestState.FAILED  # test fault: decode is deliberately not told
         except TransferError as exc:
