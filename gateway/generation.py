@@ -47,7 +47,7 @@ class Generation:
         transport = self.request.transport
         return transport is not None and not transport.is_closing()
 
-    def _workers_alive(self, sub: Submission) -> str:
+    def _dead_worker(self, sub: Submission) -> str:
         """Name of a worker serving this request that stopped heartbeating, or ""."""
         # Prefill matters only until its KV has arrived (the first token comes with it).
         workers = [sub.decode_worker] if sub.got_first_token else [sub.decode_worker,
@@ -72,7 +72,7 @@ class Generation:
                 await self._send(self._chunk({"role": "assistant", "content": ""}, None))
         try:
             async for ev in gw.mesh.tokens(sub, gw.cfg.request_timeout_s, self._alive,
-                                           self._workers_alive):
+                                           self._dead_worker):
                 now = time.monotonic()
                 if last is None:
                     gw.metrics.ttft.labels(self.tenant.tenant_id).observe(now - self.t0)
