@@ -144,7 +144,7 @@ def _finish_reason(payload: dict) -> str | None:
     return choices[0].get("finish_reason") if choices else None
 
 
-def _error_fields(text: str) -> tuple[str, str | None]:
+def error_fields(text: str) -> tuple[str, str | None]:
     """(message, code) of an OpenAI-style error body; lenient to other bodies."""
     try:
         err = json.loads(text).get("error")
@@ -178,7 +178,7 @@ async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: R
                                 timeout=timeout) as resp:
             result.status = resp.status
             if resp.status != 200:
-                result.error, result.error_code = _error_fields(await resp.text())
+                result.error, result.error_code = error_fields(await resp.text())
                 return result.fail(f"http_{resp.status}", result.error or resp.reason or "")
             if cfg.stream:
                 await _read_stream(resp, cfg, result, start)
@@ -221,7 +221,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, cfg: ClientConfig, result: 
             if not isinstance(payload, dict):
                 raise ValueError(f"stream chunk is not an object: {data[:200]}")
             if "error" in payload:
-                message, result.error_code = _error_fields(data)
+                message, result.error_code = error_fields(data)
                 result.e2el_s = now - start
                 result.generated_text = "".join(texts)
                 result.fail("stream_error", message)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.client import ENDPOINTS, SSEParser, chunk_text, context_length_of, fetch_model_info
+from loadtest.client import (ENDPOINTS, SSEParser, chunk_text, context_length_of, error_fields,
+                             fetch_model_info)
 from loadtest.report import write_json
 from loadtest.soak_verdict import Expected, Oracle, Reply, Tally, judge
 from loadtest.soak_workload import (DEFAULT_FAULTS, RequestPlan, SoakWorkload, make_tenants,
@@ -115,17 +116,6 @@ def workload_from_args(args: argparse.Namespace, context_length: int) -> SoakWor
 
 
 # -- one request ----------------------------------------------------------------------------
-def _error_fields(text: str) -> tuple[str, str | None]:
-    try:
-        err = json.loads(text).get("error")
-    except (ValueError, AttributeError):
-        return text[:500], None
-    if isinstance(err, dict):
-        code = err.get("code") or err.get("type")
-        return str(err.get("message", ""))[:500], None if code is None else str(code)
-    return text[:500], None
-
-
 def request_body(plan: RequestPlan, model: str) -> dict:
     body: dict = {"model": model, "max_tokens": plan.max_tokens, "temperature": 0.0,
                   "stream": plan.stream}
@@ -157,13 +147,13 @@ async def send_plan(session: aiohttp.ClientSession, base_url: str, model: str,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             reply.status = resp.status
             if resp.status != 200:
-                reply.error, reply.error_code = _error_fields(await resp.text())
+                reply.error, reply.error_code = error_fields(await resp.text())
             elif plan.stream:
                 await _read_stream(resp, plan, reply, start)
             else:
                 payload = await resp.json(content_type=None)
                 if "error" in payload:
-                    reply.error, reply.error_code = _error_fields(json.dumps(payload))
+                    reply.error, reply.error_code = error_fields(json.dumps(payload))
                     reply.stream_error = True
                 else:
                     reply.text = chunk_text(payload, plan.endpoint)
@@ -197,7 +187,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, plan: RequestPlan, reply: R
             if not isinstance(payload, dict):
                 raise ValueError(f"stream chunk is not an object: {data[:200]}")
             if "error" in payload:
-                reply.error, reply.error_code = _error_fields(data)
+                reply.error, reply.error_code = error_fields(data)
                 reply.stream_error = True
                 continue
             text = chunk_text(payload, plan.endpoint)
