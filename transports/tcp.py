@@ -12,22 +12,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-import struct
-import time
-from collections.abc import Sequence
 
 from ._sock import RawSocket, tune
-from .base import (
-    EventCallback, ExpectedTransfer, TransferAck, TransferPlan, TransferResult, TransportStats,
-    validate_plan,
-)
+from .base import EventCallback, TransferPlan
+from .core import TransportCore, parse_address, reason_of
 from .errors import FrameError, Reason, TransferError
 from .faults import Delay, FaultPlan, Frame
-from .framing import (
-    HEADER_SIZE, FrameHeader, Kind, checksum, commit_digest, decode_header, encode_header,
-    reservation_bytes, tokens_in_page,
-)
-from .receiver import ReceiveTable, nack_frame
+from .framing import HEADER_SIZE, FrameHeader, Kind, decode_header
+from .receiver import nack_frame
 
 _SCRATCH_BYTES = 1 << 20
 _BATCH_BYTES = 8 << 20
@@ -35,37 +27,21 @@ _BATCH_FRAMES = 128
 _NO_RESERVATION = bytes(16)
 
 
-def parse_address(address: str, scheme: str) -> tuple[str, int]:
-    prefix = f"{scheme}://"
-    if not address.startswith(prefix):
-        raise ValueError(f"not a {scheme} address: {address!r}")
-    host, _, port = address[len(prefix):].rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-class TcpTransport:
+class TcpTransport(TransportCore):
     """KVTransport over TCP. `progress_timeout_s` bounds every wait for the peer while a
     transfer is in flight (a frozen or vanished peer fails within it on both sides)."""
 
     scheme = "tcp"
+    lazy_frames = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  progress_timeout_s: float = 0.75, on_event: EventCallback | None = None,
                  faults: FaultPlan | None = None) -> None:
-        self.host, self.port = host, port
-        self.progress_timeout_s = progress_timeout_s
-        self.faults = faults  # test-only: applied to every send of this transport
-        self.stats = TransportStats()
-        self._on_event = on_event
-        self._table = ReceiveTable(self.stats, on_event)
-        self._table.nack_sink = self._post_nack
+        super().__init__(host, port, progress_timeout_s=progress_timeout_s,
+                         on_event=on_event, faults=faults)
         self._listener: socket.socket | None = None
-        self._tasks: set[asyncio.Task] = set()
         self._conns: dict[int, RawSocket] = {}
-        self._idle: dict[str, list[RawSocket]] = {}
         self._ids = itertools.count()
-        self._closed = False
-        self.address = ""
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> str:
@@ -83,37 +59,12 @@ class TcpTransport:
         self._spawn(self._accept_loop())
         return self.address
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._table.close()
-        if self._listener is not None:
-            self._listener.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def _close_links(self) -> None:
         for conns in self._idle.values():
             for conn in conns:
                 conn.close()
-        self._idle.clear()
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # -- receiver ----------------------------------------------------------------------
-    def expect(self, target: ExpectedTransfer) -> asyncio.Future[TransferResult]:
-        if self._closed:
-            raise RuntimeError("transport is closed")
-        return self._table.expect(target)
-
-    async def fence(self, reservation_id: str) -> None:
-        await self._table.fence(reservation_id)
-
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
@@ -197,36 +148,7 @@ class TcpTransport:
             pos += n
 
     # -- sender ------------------------------------------------------------------------
-    async def send(self, address: str, plan: TransferPlan,
-                   page_buffers: Sequence[memoryview]) -> TransferAck:
-        views = validate_plan(plan, page_buffers)
-        rid = plan.reservation_id
-        try:
-            key = reservation_bytes(rid)
-            frames = list(_frames(plan, key, views)) if self.faults else _frames(plan, key, views)
-        except (ValueError, struct.error) as exc:
-            raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
-        started = time.perf_counter()
-        try:
-            async with asyncio.timeout(plan.deadline_s):
-                ack = await self._send_on_conn(address, plan, key, frames)
-        except TimeoutError:
-            self._sent_event("send_failed", rid, Reason.DEADLINE)
-            raise TransferError(rid, Reason.DEADLINE, f"no ack within {plan.deadline_s}s") from None
-        except TransferError as exc:
-            self._sent_event("send_failed", rid, exc.reason)
-            raise
-        seconds = time.perf_counter() - started
-        self.stats.transfers_sent += 1
-        self._sent_event("sent", rid, None)
-        return TransferAck(rid, plan.epoch, plan.num_tokens, plan.num_pages * plan.page_bytes,
-                           seconds)
-
-    def _sent_event(self, event: str, rid: str, reason: Reason | None) -> None:
-        if self._on_event is not None:
-            self._on_event(event, rid, reason)
-
-    async def _send_on_conn(self, address: str, plan: TransferPlan, key: bytes, frames) -> int:
+    async def _deliver(self, address: str, plan: TransferPlan, key: bytes, frames) -> None:
         rid = plan.reservation_id
         conn = await self._checkout(address, rid)
         reply = self._spawn(self._read_reply(conn))
@@ -249,7 +171,7 @@ class TcpTransport:
                 reusable = True
                 return plan.num_pages
             if h.kind is Kind.NACK:
-                raise TransferError(rid, _reason(h.aux), detail)
+                raise TransferError(rid, reason_of(h.aux), detail)
             raise TransferError(rid, Reason.BAD_HEADER, f"unexpected reply {h.kind.name}")
         finally:
             reply.cancel()
@@ -334,26 +256,3 @@ class TcpTransport:
                 if budget is not None:
                     budget -= view.nbytes
                 self.stats.bytes_sent += await conn.send_all([view], self.progress_timeout_s)
-
-
-def _frames(plan: TransferPlan, key: bytes, views: list[memoryview]):
-    sums = []
-    for i, view in enumerate(views):
-        digest = checksum(view)
-        sums.append(digest)
-        header = encode_header(
-            Kind.DATA, key, plan.epoch, seq=i, dest_page_id=plan.dest_page_ids[i], page_index=i,
-            token_count=tokens_in_page(i, plan.num_tokens, plan.page_tokens),
-            payload_len=view.nbytes, payload_checksum=digest)
-        yield Frame(i, header, view)
-    n = len(views)
-    yield Frame(n, encode_header(Kind.COMMIT, key, plan.epoch, seq=n, page_index=n,
-                                 token_count=plan.num_tokens, aux=plan.first_token,
-                                 payload_checksum=commit_digest(sums)), b"")
-
-
-def _reason(code: int) -> Reason:
-    try:
-        return Reason(code)
-    except ValueError:
-        return Reason.BAD_HEADER

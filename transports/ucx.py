@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
-import time
-from collections.abc import Sequence
 
 import numpy as np
 
-from .base import (
-    EventCallback, ExpectedTransfer, TransferAck, TransferPlan, TransferResult, TransportStats,
-    validate_plan,
-)
+from .base import EventCallback, TransferPlan
+from .core import TransportCore, parse_address, reason_of
 from .errors import FrameError, Reason, TransferError
 from .faults import Delay, FaultPlan, Frame
-from .framing import HEADER_SIZE, FrameHeader, Kind, decode_header, reservation_bytes
-from .receiver import ReceiveTable, nack_frame
-from .tcp import _frames, _reason, parse_address
+from .framing import HEADER_SIZE, FrameHeader, Kind, decode_header
+from .receiver import nack_frame
 
 ucx_import_error: Exception | None = None
 try:
@@ -48,7 +42,7 @@ def _np(buf) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-class UcxTransport:
+class UcxTransport(TransportCore):
     """KVTransport over UCX; see the module docstring."""
 
     scheme = "ucx"
@@ -58,20 +52,10 @@ class UcxTransport:
                  faults: FaultPlan | None = None) -> None:
         if ucx is None:
             raise RuntimeError(f"ucx transport unavailable: {ucx_import_error}")
-        self.host, self.port = host, port
-        self.progress_timeout_s = progress_timeout_s
-        self.faults = faults
-        self.stats = TransportStats()
-        self._on_event = on_event
-        self._table = ReceiveTable(self.stats, on_event)
-        self._table.nack_sink = self._post_nack
-        self._listener = None
-        self._tasks: set[asyncio.Task] = set()
+        super().__init__(host, port, progress_timeout_s=progress_timeout_s,
+                         on_event=on_event, faults=faults)
         self._eps: dict[int, object] = {}
-        self._idle: dict[str, list] = {}
         self._next_id = 0
-        self._closed = False
-        self.address = ""
 
     async def start(self) -> str:
         if self._listener is None:
@@ -80,29 +64,12 @@ class UcxTransport:
             self.address = f"ucx://{self.host}:{self.port}"
         return self.address
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._table.close()
-        if self._listener is not None:
-            self._listener.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def _close_links(self) -> None:
         for eps in self._idle.values():
             for ep in eps:
                 _abort(ep)
-        self._idle.clear()
         for ep in list(self._eps.values()):
             _abort(ep)
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     async def _timed(self, awaitable, timeout: float | None):
         if timeout is None:
@@ -111,14 +78,6 @@ class UcxTransport:
             return await awaitable
 
     # -- receiver ----------------------------------------------------------------------
-    def expect(self, target: ExpectedTransfer) -> asyncio.Future[TransferResult]:
-        if self._closed:
-            raise RuntimeError("transport is closed")
-        return self._table.expect(target)
-
-    async def fence(self, reservation_id: str) -> None:
-        await self._table.fence(reservation_id)
-
     def _post_nack(self, conn_id: int, frame: bytes) -> None:
         ep = self._eps.get(conn_id)
         if ep is not None:
@@ -199,34 +158,6 @@ class UcxTransport:
             self._table.write_ended(slot)
 
     # -- sender ------------------------------------------------------------------------
-    async def send(self, address: str, plan: TransferPlan,
-                   page_buffers: Sequence[memoryview]) -> TransferAck:
-        views = validate_plan(plan, page_buffers)
-        rid = plan.reservation_id
-        try:
-            key = reservation_bytes(rid)
-            frames = list(_frames(plan, key, views))
-        except (ValueError, struct.error) as exc:
-            raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
-        started = time.perf_counter()
-        try:
-            async with asyncio.timeout(plan.deadline_s):
-                await self._send_on_ep(address, plan, key, frames)
-        except TimeoutError:
-            self._event("send_failed", rid, Reason.DEADLINE)
-            raise TransferError(rid, Reason.DEADLINE, f"no ack within {plan.deadline_s}s") from None
-        except TransferError as exc:
-            self._event("send_failed", rid, exc.reason)
-            raise
-        self.stats.transfers_sent += 1
-        self._event("sent", rid, None)
-        return TransferAck(rid, plan.epoch, plan.num_tokens, plan.num_pages * plan.page_bytes,
-                           time.perf_counter() - started)
-
-    def _event(self, event: str, rid: str, reason: Reason | None) -> None:
-        if self._on_event is not None:
-            self._on_event(event, rid, reason)
-
     async def _connect(self, address: str, rid: str):
         idle = self._idle.get(address, [])
         while idle:
@@ -245,7 +176,7 @@ class UcxTransport:
         except Exception as exc:
             raise TransferError(rid, Reason.PEER_LOST, f"connect {address}: {exc!r}") from None
 
-    async def _send_on_ep(self, address: str, plan: TransferPlan, key: bytes, frames) -> None:
+    async def _deliver(self, address: str, plan: TransferPlan, key: bytes, frames) -> None:
         rid = plan.reservation_id
         ep = await self._connect(address, rid)
         reply = self._spawn(self._read_reply(ep))
@@ -265,7 +196,7 @@ class UcxTransport:
                 reusable = True
                 return
             if h.kind is Kind.NACK:
-                raise TransferError(rid, _reason(h.aux), detail)
+                raise TransferError(rid, reason_of(h.aux), detail)
             raise TransferError(rid, Reason.BAD_HEADER, f"unexpected reply {h.kind.name}")
         finally:
             reply.cancel()
