@@ -24,6 +24,19 @@ async def _heartbeats(nc: nats.NATS, listen_s: float) -> dict[str, m.Heartbeat]:
     return seen
 
 
+async def _heartbeats_at(nats_url: str, listen_s: float) -> dict[str, m.Heartbeat]:
+    nc = await nats.connect(nats_url)
+    try:
+        return await _heartbeats(nc, listen_s)
+    finally:
+        await nc.close()
+
+
+def heartbeats(nats_url: str, listen_s: float = 1.2) -> dict[str, m.Heartbeat]:
+    """The latest heartbeat of every worker heard within `listen_s` (by worker id)."""
+    return asyncio.run(_heartbeats_at(nats_url, listen_s))
+
+
 async def _stats(nats_url: str, listen_s: float) -> dict[str, m.StatsReply]:
     nc = await nats.connect(nats_url)
     try:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from services import messages as m
-from tests.isolation.meshstats import counter, worker_stats
+from tests.isolation.meshstats import counter, heartbeats, worker_stats
 from tests.meshproc import Mesh
 from tests.oracle import expected_text
 
@@ -41,24 +41,7 @@ def test_over_capacity_prompt_is_rejected_before_any_worker_hears_of_it(mesh: Me
 def test_capacity_audit_clamps_to_the_real_pool(mesh: Mesh) -> None:
     """I5: tiny is configured for 16384 tokens but the pools hold 4096: served is clamped."""
     assert mesh.max_context == 4096
-    import asyncio
-
-    import nats
-
-    async def beats() -> list[m.Heartbeat]:
-        nc = await nats.connect(mesh.nats_url)
-        got: list[m.Heartbeat] = []
-        dec = m.Decoder(m.Heartbeat)
-
-        async def cb(msg) -> None:  # noqa: ANN001
-            got.append(dec.decode(msg.subject, msg.data))
-
-        await nc.subscribe(m.HEARTBEAT_WILDCARD, cb=cb)
-        await asyncio.sleep(1.2)
-        await nc.close()
-        return got
-
-    workers = {b.worker_id: b for b in asyncio.run(beats())}
+    workers = heartbeats(mesh.nats_url)
     assert workers
     for b in workers.values():
         assert b.configured_context == 16384
