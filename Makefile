@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2
 ARGS ?=
 
-.PHONY: up test test-fast test-compose bench clean venv
+.PHONY: up test test-fast test-compose lint bench clean venv
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,12 @@ venv: $(VENV)/.installed-run
 up: $(VENV)/.installed-run
 	$(VENV)/bin/pdmesh up --model $(MODEL) --transport tcp $(ARGS)
 
-## make test: the whole suite (slow-marked tests included), as CI runs it.
-test: $(VENV)/.installed-test
+## make lint: ruff with the rule set in pyproject.toml (part of `make test`).
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+
+## make test: lint, then the whole suite (slow-marked tests included), as CI runs it.
+test: lint
 	$(PY) -m pytest -q -ra --durations=15 $(ARGS)
 
 test-fast: $(VENV)/.installed-test

@@ -21,7 +21,7 @@ import yaml
 COMPOSE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(COMPOSE_DIR.parent))
 
-from services.topology import ServiceSpec, mesh_services  # noqa: E402
+from pdmesh.services.topology import ServiceSpec, mesh_services  # noqa: E402
 
 LAB_FILE = COMPOSE_DIR / "docker-compose.yml"
 CI_FILE = COMPOSE_DIR / "docker-compose.ci.yml"

@@ -18,28 +18,28 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.generation import STREAM_STARTED, Generation
-from gateway.mesh import MeshClient, MeshRejected, MeshUnavailable
-from gateway.metrics import GatewayMetrics
-from gateway.schema import ApiError, ChatBody, CompletionBody, parse_chat, parse_completion
-from gateway.tenants import Tenant, TenantDirectory
-from services import messages as m
-from services.admission.registry import CapacityRegistry
-from services.config import ServiceConfig
-from services.engine.models import load_tokenizer
-from services.engine.tokenizer import ChatTemplateError
-from services.faults import FAULT_HEADER, REQUEST_FAULTS
-from services.runtime import ServiceRuntime, run_service
+from pdmesh.gateway.generation import STREAM_STARTED, Generation
+from pdmesh.gateway.mesh import MeshClient, MeshRejected, MeshUnavailable
+from pdmesh.gateway.metrics import GatewayMetrics
+from pdmesh.gateway.schema import ApiError, ChatBody, CompletionBody, parse_chat, parse_completion
+from pdmesh.gateway.tenants import Tenant, TenantDirectory
+from pdmesh.services import faults
+from pdmesh.services import messages as m
+from pdmesh.services.admission.registry import CapacityRegistry
+from pdmesh.services.config import ServiceConfig
+from pdmesh.services.engine.checkpoint import load_tokenizer
+from pdmesh.services.engine.tokenizer import ChatTemplateError
+from pdmesh.services.runtime import ServiceRuntime, run_service
 
 log = logging.getLogger("pdmesh.gateway")
 
 _REJECT_STATUS = {
-    m.RejectReason.CONTEXT_LENGTH_EXCEEDED: (400, "context_length_exceeded"),
-    m.RejectReason.PROMPT_EXCEEDS_PREFILL_POOL: (400, "context_length_exceeded"),
-    m.RejectReason.EXCEEDS_DECODE_POOL: (400, "context_length_exceeded"),
-    m.RejectReason.INVALID: (400, "invalid_request"),
-    m.RejectReason.SATURATED: (429, "mesh_saturated"),
-    m.RejectReason.NO_WORKERS: (503, "no_workers"),
+    m.Code.CONTEXT_LENGTH_EXCEEDED: (400, "context_length_exceeded"),
+    m.Code.PROMPT_EXCEEDS_PREFILL_POOL: (400, "context_length_exceeded"),
+    m.Code.EXCEEDS_DECODE_POOL: (400, "context_length_exceeded"),
+    m.Code.INVALID: (400, "invalid_request"),
+    m.Code.SATURATED: (429, "mesh_saturated"),
+    m.Code.NO_WORKERS: (503, "no_workers"),
 }
 
 
@@ -52,7 +52,8 @@ class Gateway:
         # The gateway tokenizes and detokenizes; it needs the tokenizer, not the weights.
         self.tokenizer, self.model_name = load_tokenizer(cfg.model)
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
-        self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
+        # A test mesh copies the fault header onto the submit (services/faults.py).
+        self.submit_headers = faults.gateway_headers(cfg)
         # Admission may queue a request up to queue_timeout_s before answering.
         self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.queue_timeout_s
                                + cfg.reserve_timeout_s + 3.0)
@@ -66,7 +67,7 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
 
     async def start(self) -> None:
-        self.rt.app._client_max_size = self.cfg.max_body_bytes  # noqa: SLF001 - set pre-start
+        self.rt.app._client_max_size = self.cfg.max_body_bytes
         await self.rt.start_http(self.routes)
         await self.rt.connect()
         await self.rt.subscribe(m.HEARTBEAT_WILDCARD, m.Heartbeat, self._on_heartbeat,
@@ -122,11 +123,12 @@ class Gateway:
 
     @contextlib.contextmanager
     def _validating(self, tenant: Tenant) -> Iterator[None]:
-        """Count a request the gateway itself refuses (after auth) as outcome `invalid`."""
+        """Count a request the gateway itself refuses (after auth) as rejected, `invalid`."""
         try:
             yield
-        except ApiError:
-            self.metrics.request_done(tenant.tenant_id, "invalid", 0.0)
+        except ApiError as exc:
+            self.metrics.request_done(tenant.tenant_id, m.Outcome(
+                code=m.Code.INVALID, detail=exc.message), 0.0)
             raise
 
     def _check_model(self, body: CompletionBody | ChatBody) -> None:
@@ -187,28 +189,29 @@ class Gateway:
         # One seed per request, chosen here when the client gives none, so prefill (first
         # token) and decode (the rest) sample from the same stream.
         seed = body.seed if body.seed is not None else secrets.randbits(63)
-        fault = request.headers.get(FAULT_HEADER, "") if self.request_faults else ""
         req = m.SubmitRequest(
             request_id=rid, tenant=tenant.tenant_id, cache_salt=tenant.cache_salt,
             prompt_ids=ids, max_tokens=max_tokens, sampling=m.Sampling(
-                temperature=temperature, top_p=body.top_p or 1.0, seed=seed), fault=fault)
-        outcome = "error"
+                temperature=temperature, top_p=body.top_p or 1.0, seed=seed))
+        outcome = m.Outcome(code=m.Code.INTERNAL, detail="gateway error")
         try:
-            async with self.mesh.submit(req) as sub:
+            headers = self.submit_headers(request.headers) if self.submit_headers else None
+            async with self.mesh.submit(req, headers) as sub:
                 gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0)
-                outcome = "failed"  # until run() says otherwise (it raises 502/504 JSON)
-                outcome = await gen.run(sub)
+                try:
+                    outcome = await gen.run(sub)
+                finally:
+                    outcome = gen.outcome or outcome  # also when run() raised 502/504
                 return gen.response
         except MeshRejected as exc:
-            rej = exc.rejection
-            status, code = _REJECT_STATUS.get(rej.reason, (400, "invalid_request"))
-            outcome = "rejected"
-            raise ApiError(status, rej.message, code=code,
+            status, code = _REJECT_STATUS.get(exc.outcome.code, (400, "invalid_request"))
+            outcome = exc.outcome
+            raise ApiError(status, exc.outcome.detail, code=code,
                            param="messages" if chat else "prompt",
                            type_="invalid_request_error" if status == 400 else
                            "server_error") from None
         except MeshUnavailable as exc:
-            outcome = "unavailable"
+            outcome = m.Outcome(code=m.Code.NO_WORKERS, detail=str(exc))
             raise ApiError(503, f"the mesh is not answering: {exc}", type_="server_error",
                            code="no_workers") from None
         finally:

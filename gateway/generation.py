@@ -11,27 +11,39 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from gateway.mesh import ClientGone, MeshFailed, Submission
-from gateway.schema import ApiError, ChatBody, CompletionBody, stop_list
-from gateway.tenants import Tenant
-from gateway.text import TextStream
-from services import messages as m
+from pdmesh.gateway.mesh import ClientGone, MeshClient, MeshFailed, Submission
+from pdmesh.gateway.metrics import GatewayMetrics
+from pdmesh.gateway.schema import ApiError, ChatBody, CompletionBody, stop_list
+from pdmesh.gateway.tenants import Tenant
+from pdmesh.gateway.text import TextStream
+from pdmesh.services import messages as m
+from pdmesh.services.admission.registry import CapacityRegistry
+from pdmesh.services.config import ServiceConfig
+from pdmesh.services.engine.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-
-FINISH = {m.FinishReason.STOP: "stop", m.FinishReason.LENGTH: "length"}
 STREAM_STARTED = "pdmesh.stream_started"  # request key: SSE headers already sent
+
+
+class Serving(Protocol):
+    """What a Generation uses of the gateway serving it (`app.Gateway`), named here so that
+    this module need not import the app that imports it."""
+
+    cfg: ServiceConfig
+    tokenizer: Tokenizer
+    model_name: str
+    mesh: MeshClient
+    metrics: GatewayMetrics
+    registry: CapacityRegistry
 
 
 class Generation:
     """One admitted request's reply: JSON at the end, or SSE chunks as tokens arrive."""
 
-    def __init__(self, gw: Gateway, request: web.Request, tenant: Tenant,
+    def __init__(self, gw: Serving, request: web.Request, tenant: Tenant,
                  body: CompletionBody | ChatBody, rid: str, prompt_len: int, chat: bool,
                  t0: float) -> None:
         self.gw, self.request, self.tenant, self.body = gw, request, tenant, body
@@ -42,6 +54,7 @@ class Generation:
         self.response: web.StreamResponse = web.Response()
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.outcome: m.Outcome | None = None  # how the request ended, once it has
 
     def _alive(self) -> bool:
         transport = self.request.transport
@@ -57,7 +70,7 @@ class Generation:
                 return worker
         return ""
 
-    async def run(self, sub: Submission) -> str:
+    async def run(self, sub: Submission) -> m.Outcome:
         gw = self.gw
         finish: str | None = None
         parts: list[str] = []
@@ -85,7 +98,7 @@ class Generation:
                 if self.text.stopped:
                     finish = "stop"
                 elif ev.finish is not None:
-                    finish = FINISH[m.FinishReason(ev.finish)]
+                    finish = ev.finish.label  # "stop" | "length", as OpenAI spells them
                 if self.body.stream and (delta or finish):
                     await self._send(self._chunk(delta, finish))
                 else:
@@ -93,11 +106,13 @@ class Generation:
                 if finish:
                     break
         except MeshFailed as exc:
-            return await self._fail(502, f"generation failed: {exc}", exc.code.name.lower())
+            return await self._fail(502, f"generation failed: {exc}", exc.outcome)
         except TimeoutError as exc:
-            return await self._fail(504, str(exc), "timeout")
+            return await self._fail(504, str(exc), m.Outcome(code=m.Code.DEADLINE,
+                                                             detail=str(exc)), "timeout")
         except (ClientGone, ConnectionResetError):
-            return "client_gone"
+            self.outcome = m.Outcome(code=m.Code.ABORTED, detail="client gone")
+            return self.outcome
         gw.metrics.tokens.labels(self.tenant.tenant_id, "prompt").inc(self.prompt_len)
         gw.metrics.tokens.labels(self.tenant.tenant_id, "completion").inc(self.completion_tokens)
         if self.body.stream:
@@ -107,17 +122,22 @@ class Generation:
             await self.response.write_eof()
         else:
             self.response = web.json_response(self._final("".join(parts), finish or "length"))
-        return "finished"
+        self.outcome = m.FINISHED_LENGTH if finish == "length" else m.FINISHED_STOP
+        return self.outcome
 
-    async def _fail(self, status: int, message: str, code: str) -> str:
-        err = ApiError(status, message, type_="server_error", code=code)
+    async def _fail(self, status: int, message: str, outcome: m.Outcome,
+                    code: str = "") -> m.Outcome:
+        """Answer a failure (an error event on a stream, else an error response: raised).
+        `self.outcome` says how the request ended either way."""
+        self.outcome = outcome
+        err = ApiError(status, message, type_="server_error", code=code or outcome.label)
         if self.body.stream:
             try:
                 await self._send(err.body())
                 await self.response.write_eof()
             except ConnectionResetError:
                 pass
-            return "failed"
+            return outcome
         raise err
 
     async def _send(self, obj: dict[str, Any]) -> None:

@@ -14,26 +14,32 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from services import messages as m
-from services.runtime import ServiceRuntime
+from nats.aio.msg import Msg
+
+from pdmesh.services import messages as m
+from pdmesh.services.runtime import ServiceRuntime
 
 log = logging.getLogger("pdmesh.gateway")
 POLL_S = 0.1  # how often a waiting request checks that its client is still there
 
 
 class MeshRejected(Exception):
-    def __init__(self, rejection: m.Rejection) -> None:
-        super().__init__(rejection.message)
+    """Admission refused the request before anything was allocated."""
+
+    def __init__(self, rejection: m.Rejected) -> None:
+        super().__init__(rejection.outcome.detail)
         self.rejection = rejection
+        self.outcome = rejection.outcome
 
 
 class MeshFailed(Exception):
     """An admitted request ended without finishing (a worker failed or gave up)."""
 
-    def __init__(self, code: m.FailCode, detail: str) -> None:
-        super().__init__(f"{code.name.lower()}: {detail}")
-        self.code = code
-        self.detail = detail
+    def __init__(self, outcome: m.Outcome) -> None:
+        super().__init__(f"{outcome.label}: {outcome.detail}")
+        self.outcome = outcome
+        self.code = outcome.code
+        self.detail = outcome.detail
 
 
 class ClientGone(Exception):
@@ -47,7 +53,7 @@ class MeshUnavailable(Exception):
 @dataclass
 class Submission:
     request_id: str
-    events: asyncio.Queue[m.TokenEvent]
+    events: asyncio.Queue[m.LocalStreamEvent]
     finished: bool = False
     decode_worker: str = ""
     prefill_worker: str = ""
@@ -59,7 +65,7 @@ class MeshClient:
     def __init__(self, rt: ServiceRuntime, submit_timeout_s: float) -> None:
         self.rt = rt
         self.submit_timeout_s = submit_timeout_s
-        self._decoder = m.Decoder(m.TokenEvent)
+        self._decoder: m.Decoder[m.StreamEvent] = m.Decoder(m.StreamEvent)
         self._inflight: dict[str, Submission] = {}
         rt.on_reconnect(self._fail_inflight)
 
@@ -69,17 +75,19 @@ class MeshClient:
         missing seq: end every in-flight request with a clean error instead; the abort that
         follows frees its pages everywhere."""
         for sub in self._inflight.values():
-            sub.events.put_nowait(m.TokenEvent(
-                request_id=sub.request_id, seq=-2, fail_code=m.FailCode.INTERNAL,
+            sub.events.put_nowait(m.StreamInterrupted(
+                request_id=sub.request_id,
                 detail="control plane connection was interrupted; retry the request"))
 
     @contextlib.asynccontextmanager
-    async def submit(self, req: m.SubmitRequest) -> AsyncIterator[Submission]:
-        """Admit the request or raise MeshRejected/MeshUnavailable; yield its event queue."""
-        queue: asyncio.Queue[m.TokenEvent] = asyncio.Queue()
+    async def submit(self, req: m.SubmitRequest,
+                     headers: dict[str, str] | None = None) -> AsyncIterator[Submission]:
+        """Admit the request or raise MeshRejected/MeshUnavailable; yield its event queue.
+        `headers` go on the NATS submit (only a test mesh's fault header uses them)."""
+        queue: asyncio.Queue[m.LocalStreamEvent] = asyncio.Queue()
         sub_state = Submission(request_id=req.request_id, events=queue)
 
-        async def on_msg(msg) -> None:  # noqa: ANN001 - nats Msg
+        async def on_msg(msg: Msg) -> None:
             try:
                 queue.put_nowait(self._decoder.decode(msg.subject, msg.data))
             except m.MessageError as exc:
@@ -90,12 +98,11 @@ class MeshClient:
         try:
             try:
                 reply = await self.rt.request(m.SUBMIT_SUBJECT, req, m.SubmitReply,
-                                              self.submit_timeout_s)
+                                              self.submit_timeout_s, headers=headers)
             except TimeoutError as exc:
                 raise MeshUnavailable(str(exc)) from None
-            if not reply.admitted:
-                assert reply.rejection is not None
-                raise MeshRejected(reply.rejection)
+            if isinstance(reply, m.Rejected):
+                raise MeshRejected(reply)
             sub_state.decode_worker = reply.decode_worker
             sub_state.prefill_worker = reply.prefill_worker
             yield sub_state
@@ -108,8 +115,8 @@ class MeshClient:
                 # already reported) tells every worker to let go now.
                 with contextlib.suppress(Exception):
                     await self.rt.publish(m.ABORT_SUBJECT, m.Abort(
-                        request_id=req.request_id, code=m.FailCode.ABORTED,
-                        detail="gateway ended the request"))
+                        request_id=req.request_id, outcome=m.Outcome(
+                            code=m.Code.ABORTED, detail="gateway ended the request")))
 
     async def tokens(self, sub: Submission, deadline_s: float, alive: Callable[[], bool],
                      dead_worker: Callable[[Submission], str]) -> AsyncIterator[m.TokenEvent]:
@@ -138,21 +145,23 @@ class MeshClient:
                 # Only with nothing queued: a worker may finish and then go away.
                 gone = dead_worker(sub) if sub.events.empty() else ""
                 if gone:
-                    raise MeshFailed(m.FailCode.PEER_RELEASED,
-                                     f"worker {gone} stopped heartbeating")
+                    raise MeshFailed(m.Outcome(code=m.Code.PEER_RELEASED,
+                                               detail=f"worker {gone} stopped heartbeating"))
             try:
                 ev = await asyncio.wait_for(sub.events.get(), min(remaining, next_check - now))
             except TimeoutError:
                 continue
-            if ev.fail_code is not None:
-                # Not marked finished: the abort that follows makes sure the other side
-                # lets go too, even if the failing worker could not tell it.
-                raise MeshFailed(m.FailCode(ev.fail_code), ev.detail)
-            if ev.seq < 0:
-                # Info event (seq -1) from prefill: how much of the prompt the prefix cache
-                # served. It carries no tokens and does not end the stream.
-                sub.cached_tokens = max(sub.cached_tokens, ev.cached_tokens)
-                continue
+            match ev:
+                case m.StreamFailed(outcome=outcome):
+                    # Not marked finished: the abort that follows makes sure the other side
+                    # lets go too, even if the failing worker could not tell it.
+                    raise MeshFailed(outcome)
+                case m.StreamInterrupted(detail=detail):
+                    raise MeshFailed(m.Outcome(code=m.Code.INTERRUPTED, detail=detail))
+                case m.PrefixCacheInfo(cached_tokens=cached):
+                    # How much of the prompt the prefix cache served: no tokens, no end.
+                    sub.cached_tokens = max(sub.cached_tokens, cached)
+                    continue
             pending[ev.seq] = ev
             sub.got_first_token = True
             while expected_seq in pending:

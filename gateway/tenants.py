@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.errors import ConfigError
+from pdmesh.services.errors import ConfigError
 
 DEV_TENANTS_FILE = Path(__file__).with_name("dev_tenants.toml")
 
@@ -74,7 +74,3 @@ class TenantDirectory:
             if hmac.compare_digest(key.encode(), presented):
                 found = tenant
         return found
-
-    @property
-    def tenant_ids(self) -> list[str]:
-        return sorted({t.tenant_id for t in self._by_key.values()})

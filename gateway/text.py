@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.engine.tokenizer import Tokenizer
+from pdmesh.services.engine.tokenizer import Tokenizer
 
 
 class TextStream:

@@ -10,34 +10,34 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "KVStoreError": "kvstore.errors",
-    "LeaseAccessError": "kvstore.errors",
-    "PoolExhaustedError": "kvstore.errors",
-    "PoolIntegrityError": "kvstore.errors",
-    "Lease": "kvstore.lease",
-    "KVPool": "kvstore.pool",
-    "PoolStats": "kvstore.pool",
-    "PrefixCache": "kvstore.prefix_cache",
-    "PrefixCacheStats": "kvstore.prefix_cache",
-    "POISON_VALUE": "kvstore.scrub",
-    "ScrubPolicy": "kvstore.scrub",
-    "PoolSpec": "kvstore.spec",
+    "KVStoreError": "pdmesh.kvstore.errors",
+    "LeaseAccessError": "pdmesh.kvstore.errors",
+    "PoolExhaustedError": "pdmesh.kvstore.errors",
+    "PoolIntegrityError": "pdmesh.kvstore.errors",
+    "Lease": "pdmesh.kvstore.lease",
+    "KVPool": "pdmesh.kvstore.pool",
+    "PoolStats": "pdmesh.kvstore.pool",
+    "PrefixCache": "pdmesh.kvstore.prefix_cache",
+    "PrefixCacheStats": "pdmesh.kvstore.prefix_cache",
+    "POISON_VALUE": "pdmesh.kvstore.scrub",
+    "ScrubPolicy": "pdmesh.kvstore.scrub",
+    "PoolSpec": "pdmesh.kvstore.spec",
 }
 
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:
-    from kvstore.errors import (
+if TYPE_CHECKING:  # the names __getattr__ loads, for type checkers
+    from pdmesh.kvstore.errors import (
         KVStoreError,
         LeaseAccessError,
         PoolExhaustedError,
         PoolIntegrityError,
     )
-    from kvstore.lease import Lease
-    from kvstore.pool import KVPool, PoolStats
-    from kvstore.prefix_cache import PrefixCache, PrefixCacheStats
-    from kvstore.scrub import POISON_VALUE, ScrubPolicy
-    from kvstore.spec import PoolSpec
+    from pdmesh.kvstore.lease import Lease
+    from pdmesh.kvstore.pool import KVPool, PoolStats
+    from pdmesh.kvstore.prefix_cache import PrefixCache, PrefixCacheStats
+    from pdmesh.kvstore.scrub import POISON_VALUE, ScrubPolicy
+    from pdmesh.kvstore.spec import PoolSpec
 
 
 def __getattr__(name: str) -> Any:

@@ -28,7 +28,7 @@ class Lease:
     epoch: int
     page_ids: tuple[int, ...]
     num_tokens: int
-    page_size: int
+    page_tokens: int
     pool_id: str
     page_written: list[int] = field(init=False)
     cached_tokens: int = 0
@@ -58,7 +58,7 @@ class Lease:
     @property
     def capacity_tokens(self) -> int:
         """Tokens the leased pages can hold (>= num_tokens, rounded up to whole pages)."""
-        return len(self.page_ids) * self.page_size
+        return len(self.page_ids) * self.page_tokens
 
     @property
     def written_tokens(self) -> int:
@@ -67,4 +67,4 @@ class Lease:
 
     def locate(self, position: int) -> tuple[int, int]:
         """(page_index, offset) of token `position` within this lease."""
-        return divmod(position, self.page_size)
+        return divmod(position, self.page_tokens)

@@ -1,6 +1,6 @@
 """The paged KV pool: one preallocated tensor, a LIFO free list, leases with epochs.
 
-Layout `[num_pages, num_layers, 2 (K/V), page_size, num_kv_heads, head_dim]`, contiguous:
+Layout `[num_pages, num_layers, 2 (K/V), page_tokens, num_kv_heads, head_dim]`, contiguous:
 one page (all layers, K and V) is one contiguous byte range, the unit a transport moves.
 
 Isolation (invariant I2) rests on per-page tags checked on every access: each page records
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.errors import LeaseAccessError, PoolExhaustedError, PoolIntegrityError
-from kvstore.lease import Lease
-from kvstore.scrub import ScrubPolicy, scrub_pages
-from kvstore.spec import PoolSpec
+from pdmesh.kvstore.errors import LeaseAccessError, PoolExhaustedError, PoolIntegrityError
+from pdmesh.kvstore.lease import Lease
+from pdmesh.kvstore.scrub import ScrubPolicy, scrub_pages
+from pdmesh.kvstore.spec import PoolSpec, pages_for
 
 FREE_EPOCH = 0
 CACHED_EPOCH = -1  # tag of a prefix-cache page (epochs of leases are >= 1)
@@ -91,8 +91,8 @@ class KVPool:
         return self.spec.num_pages
 
     @property
-    def page_size(self) -> int:
-        return self.spec.page_size
+    def page_tokens(self) -> int:
+        return self.spec.page_tokens
 
     @property
     def num_free_pages(self) -> int:
@@ -115,7 +115,7 @@ class KVPool:
     @property
     def available_tokens(self) -> int:
         """Tokens an allocation can get now: free pages plus evictable cached pages."""
-        return (len(self._free) + self.num_evictable_pages) * self.spec.page_size
+        return (len(self._free) + self.num_evictable_pages) * self.spec.page_tokens
 
     @property
     def capacity_tokens(self) -> int:
@@ -124,7 +124,7 @@ class KVPool:
 
     @property
     def free_tokens(self) -> int:
-        return len(self._free) * self.spec.page_size
+        return len(self._free) * self.spec.page_tokens
 
     def live_leases(self) -> list[Lease]:
         return list(self._leases.values())
@@ -152,7 +152,7 @@ class KVPool:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
         shared = [int(p) for p in shared_prefix]
         num_pages = self.spec.pages_for(num_tokens)
-        if len(shared) * self.spec.page_size > num_tokens:
+        if len(shared) * self.spec.page_tokens > num_tokens:
             raise ValueError(f"{len(shared)} shared pages exceed {num_tokens} tokens")
         if len(set(shared)) != len(shared) or not all(
                 0 <= p < self.spec.num_pages and self._cached[p] for p in shared):
@@ -177,9 +177,9 @@ class KVPool:
             epoch=epoch,
             page_ids=page_ids,
             num_tokens=num_tokens,
-            page_size=self.spec.page_size,
+            page_tokens=self.spec.page_tokens,
             pool_id=self.pool_id,
-            cached_tokens=len(shared) * self.spec.page_size,
+            cached_tokens=len(shared) * self.spec.page_tokens,
         )
         if self.device.type != "cpu":
             lease.page_index = lease.page_index.to(self.device)
@@ -187,7 +187,7 @@ class KVPool:
         for index, page_id in enumerate(shared):
             marks[index] = page_id
             lease.page_shared[index] = True
-            lease.page_written[index] = self.spec.page_size
+            lease.page_written[index] = self.spec.page_tokens
         for page_id in page_ids[len(shared):]:
             self._page_epoch[page_id] = epoch
             self._page_written[page_id] = 0
@@ -245,7 +245,7 @@ class KVPool:
         page_id = lease.page_ids[page_index]
         if self._page_epoch[page_id] != lease.epoch:
             raise self._deny(lease, page_id, "only a page this lease owns can be cached")
-        if self._page_written[page_id] != self.spec.page_size:
+        if self._page_written[page_id] != self.spec.page_tokens:
             raise self._deny(lease, page_id, "only a fully written page can be cached")
         self._page_epoch[page_id] = CACHED_EPOCH
         self._page_owner[page_id] = None
@@ -314,10 +314,10 @@ class KVPool:
         written all of them in this epoch. Called before every attention read; O(1) Python
         plus one vectorized compare, so it stays far below 1% of a decode step."""
         self._check_lease(lease)
-        self._check_pages(lease, 0, -(-num_tokens // lease.page_size), shared_ok=True)
+        self._check_pages(lease, 0, pages_for(num_tokens, lease.page_tokens), shared_ok=True)
         written = self._prefix_written.get(lease.lease_id, 0)
         if num_tokens > written:
-            page_index = min(written // lease.page_size, lease.num_pages - 1)
+            page_index = min(written // lease.page_tokens, lease.num_pages - 1)
             raise self._deny(
                 lease,
                 lease.page_ids[page_index],
@@ -332,7 +332,7 @@ class KVPool:
             raise self._deny(
                 lease, None, f"write [{start}, {end}) outside capacity {lease.capacity_tokens}"
             )
-        first, last = start // lease.page_size, -(-end // lease.page_size)
+        first, last = start // lease.page_tokens, pages_for(end, lease.page_tokens)
         pages = lease.page_array[first:last]
         if pages.size and not (self._page_epoch[pages] == lease.epoch).all():
             self._check_pages(lease, first, last, shared_ok=False)
@@ -342,16 +342,16 @@ class KVPool:
         (counted from the start of the page; counts never go down)."""
         if not 0 <= page_index < lease.num_pages:
             raise self._deny(lease, None, f"page index {page_index} out of range")
-        if not 0 <= num_tokens <= lease.page_size:
+        if not 0 <= num_tokens <= lease.page_tokens:
             raise self._deny(lease, lease.page_ids[page_index], f"bad count {num_tokens}")
-        self.check_writable(lease, page_index * lease.page_size, num_tokens)
+        self.check_writable(lease, page_index * lease.page_tokens, num_tokens)
         page_id = lease.page_ids[page_index]
         count = max(int(self._page_written[page_id]), num_tokens)
         self._page_written[page_id] = count
         lease.page_written[page_index] = count
         # Advance the contiguous written prefix (coverage must have no holes).
         prefix = self._prefix_written[lease.lease_id]
-        index, size = prefix // lease.page_size, lease.page_size
+        index, size = prefix // lease.page_tokens, lease.page_tokens
         while index < lease.num_pages:
             filled = int(self._page_written[lease.page_ids[index]])
             prefix = index * size + filled
@@ -362,8 +362,8 @@ class KVPool:
 
     def mark_written_range(self, lease: Lease, start: int, num_tokens: int) -> None:
         """mark_written for every page touched by tokens [start, start+num_tokens)."""
-        end, size = start + num_tokens, lease.page_size
-        for page_index in range(start // size, -(-end // size)):
+        end, size = start + num_tokens, lease.page_tokens
+        for page_index in range(start // size, pages_for(end, size)):
             self.mark_written(lease, page_index, min(size, end - page_index * size))
 
     def written_prefix(self, lease: Lease) -> int:
@@ -374,7 +374,7 @@ class KVPool:
         """Writable raw bytes of one page of a live lease (for transports; CPU pools)."""
         if not 0 <= page_index < lease.num_pages:
             raise self._deny(lease, None, f"page index {page_index} out of range")
-        self.check_writable(lease, page_index * lease.page_size, lease.page_size)
+        self.check_writable(lease, page_index * lease.page_tokens, lease.page_tokens)
         if self._byte_pages is None:
             raise NotImplementedError("page_buffer needs a CPU pool; use page_tensor")
         return memoryview(self._byte_pages[lease.page_ids[page_index]])
@@ -384,16 +384,16 @@ class KVPool:
         least one written token, or a cached page it pinned (what a sender transmits)."""
         if not 0 <= page_index < lease.num_pages:
             raise self._deny(lease, None, f"page index {page_index} out of range")
-        self.check_readable(lease, min(page_index * lease.page_size + 1, lease.num_tokens))
+        self.check_readable(lease, min(page_index * lease.page_tokens + 1, lease.num_tokens))
         if self._byte_pages is None:
             raise NotImplementedError("page_view needs a CPU pool; use page_tensor")
         return memoryview(self._byte_pages[lease.page_ids[page_index]]).toreadonly()
 
     def page_tensor(self, lease: Lease, page_index: int) -> torch.Tensor:
-        """Writable tensor view [num_layers, 2, page_size, kv_heads, head_dim] of one page."""
+        """Writable tensor view [num_layers, 2, page_tokens, kv_heads, head_dim] of one page."""
         if not 0 <= page_index < lease.num_pages:
             raise self._deny(lease, None, f"page index {page_index} out of range")
-        self.check_writable(lease, page_index * lease.page_size, lease.page_size)
+        self.check_writable(lease, page_index * lease.page_tokens, lease.page_tokens)
         return self.tensor[lease.page_ids[page_index]]
 
     # ---- integrity --------------------------------------------------------------------
@@ -445,7 +445,7 @@ class KVPool:
                 problems.append(f"free page {page_id} still tagged")
         for page_id in cached:
             if (self._page_epoch[page_id] != CACHED_EPOCH
-                    or self._page_written[page_id] != self.spec.page_size):
+                    or self._page_written[page_id] != self.spec.page_tokens):
                 problems.append(f"cached page {page_id} mistagged or not fully written")
         if problems:
             raise PoolIntegrityError(problems)

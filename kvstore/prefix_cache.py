@@ -1,6 +1,6 @@
 """Tenant-salted prefix cache of whole KV pages: one radix tree per cache salt, LRU eviction.
 
-Key: (cache salt, token ids page by page). Every node is one whole page of `page_size`
+Key: (cache salt, token ids page by page). Every node is one whole page of `page_tokens`
 tokens, found under its parent by those token ids, and every salt has its own root, so a
 prefix cached for one tenant can never match another tenant's request, whatever the tokens
 (invariant I7). An empty salt caches nothing. Matching compares token ids, never hashes; the
@@ -28,10 +28,10 @@ import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.errors import PoolIntegrityError
-from kvstore.lease import Lease
-from kvstore.pool import KVPool
-from kvstore.prefix_key import page_hash, root_hash
+from pdmesh.kvstore.errors import PoolIntegrityError
+from pdmesh.kvstore.lease import Lease
+from pdmesh.kvstore.pool import KVPool
+from pdmesh.kvstore.prefix_key import page_hash, root_hash
 
 
 @dataclass(eq=False)
@@ -59,14 +59,14 @@ class PrefixCache:
 
     def __init__(self, pool: KVPool, align_tokens: int = 0,
                  on_evict: Callable[[int], None] | None = None) -> None:
-        page = pool.page_size
+        page = pool.page_tokens
         align = align_tokens or page
         if align % page:
             raise ValueError(f"align_tokens {align} is not a multiple of the page size {page}")
         if pool.reclaimer is not None:
             raise ValueError("this pool already has a prefix cache")
         self.pool = pool
-        self.page_size = page
+        self.page_tokens = page
         self.align_tokens = align
         self.on_evict = on_evict
         self.stats = PrefixCacheStats()
@@ -85,7 +85,7 @@ class PrefixCache:
         root = self._roots.get(cache_salt) if cache_salt else None
         if root is None:
             return []
-        size, align = self.page_size, self.align_tokens
+        size, align = self.page_tokens, self.align_tokens
         limit = max(len(token_ids) - 1, 0) // align * align
         path, node = [], root
         for start in range(0, limit, size):
@@ -98,7 +98,7 @@ class PrefixCache:
 
     def cached_tokens(self, cache_salt: str, token_ids: Sequence[int]) -> int:
         """How many leading tokens an allocation for this prompt would reuse (no effects)."""
-        return len(self._match(cache_salt, token_ids)) * self.page_size
+        return len(self._match(cache_salt, token_ids)) * self.page_tokens
 
     def allocate(self, request_id: str, cache_salt: str, token_ids: Sequence[int],
                  num_tokens: int = 0) -> Lease:
@@ -122,7 +122,7 @@ class PrefixCache:
         pinned until it is released; after that they are evictable."""
         if not cache_salt:
             return 0
-        size, align = self.page_size, self.align_tokens
+        size, align = self.page_tokens, self.align_tokens
         limit = min(len(token_ids), self.pool.written_prefix(lease)) // align * align
         if limit == 0:
             return 0
@@ -192,7 +192,7 @@ class PrefixCache:
         """Chain hashes of up to `limit` cached aligned prefixes, most recently used first
         (a prefix's shorter aligned prefixes are always more recent, so they come first)."""
         out: list[int] = []
-        pages_per_align = self.align_tokens // self.page_size
+        pages_per_align = self.align_tokens // self.page_tokens
         for node in reversed(self._lru.values()):
             if len(out) >= limit:
                 break
@@ -213,7 +213,7 @@ class PrefixCache:
             for key, child in node.children.items():
                 stack.append(child)
                 seen.add(child.page_id)
-                if child.parent is not node or child.key != key or len(key) != self.page_size:
+                if child.parent is not node or child.key != key or len(key) != self.page_tokens:
                     problems.append(f"page {child.page_id}: broken tree link")
                 if child.chain_hash != page_hash(node.chain_hash, key):
                     problems.append(f"page {child.page_id}: wrong chain hash")

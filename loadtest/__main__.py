@@ -2,6 +2,6 @@
 
 import sys
 
-from loadtest.cli import main
+from pdmesh.loadtest.cli import main
 
 sys.exit(main(sys.argv[1:]))

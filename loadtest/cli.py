@@ -2,14 +2,15 @@
 integrity accounting, plots, and a side-by-side comparison of two servers.
 
 Exit status: 0 ok; 1 a correctness failure (an over-long prompt produced output, an
-integrity mismatch, or greedy outputs that differ between the two compared servers); 2 bad arguments or target unreachable; 130 interrupted (partial
-results saved).
+integrity mismatch, or greedy outputs that differ between the two compared servers);
+2 bad arguments or target unreachable; 130 interrupted (partial results saved).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import signal
@@ -17,12 +18,12 @@ import sys
 import threading
 from pathlib import Path
 
-from loadtest import report
-from loadtest.client import context_length_of
-from loadtest.metrics import parse_goodput
-from loadtest.runner import ARRIVALS
-from loadtest.target import Target, TargetRun, discover, run_target
-from loadtest.workload import LENGTH_DISTS, LengthDist, WorkloadSpec, build_requests
+from pdmesh.loadtest import report
+from pdmesh.loadtest.client import context_length_of
+from pdmesh.loadtest.metrics import parse_goodput
+from pdmesh.loadtest.runner import ARRIVALS
+from pdmesh.loadtest.target import Target, TargetRun, discover, run_target
+from pdmesh.loadtest.workload import LENGTH_DISTS, LengthDist, WorkloadSpec, build_requests
 
 EXIT_OK, EXIT_CORRECTNESS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -105,36 +106,54 @@ def _length_dist(args: argparse.Namespace, name: str) -> LengthDist:
     return LengthDist(kind, mean, lo, hi, std)
 
 
+def split_list(raw: str) -> list[str]:
+    """`"a, b,,c"` -> `["a", "b", "c"]` (comma lists of keys and names)."""
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
 def _keys(raw: str | None, fallback: str | None) -> tuple[str | None, ...]:
     if raw:
-        return tuple(k.strip() for k in raw.split(",") if k.strip())
+        return tuple(split_list(raw))
     return (fallback,)
 
 
-def _install_stop_handlers(stop: asyncio.Event) -> None:
-    """First Ctrl-C / SIGTERM: stop issuing, cancel in-flight, save partial results. The
-    handlers are then removed, so a second Ctrl-C interrupts hard."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def install_stop_handlers(stop: asyncio.Event, notice: str = "") -> None:
+    """Ctrl-C / SIGTERM set `stop` (the tool then stops issuing, cancels what is in flight
+    and saves partial results). With a `notice` (the tool's name) the first signal says so
+    on stderr and removes the handlers, so a second Ctrl-C interrupts hard; without one the
+    handlers stay until `remove_stop_handlers()`. Only the main thread can install them."""
     if threading.current_thread() is not threading.main_thread():
         return
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
-        print(f"\nloadtest: {signal.Signals(signum).name}, stopping; saving partial results",
-              file=sys.stderr)
+        if notice:
+            print(f"\n{notice}: {signal.Signals(signum).name}, stopping; saving partial "
+                  f"results", file=sys.stderr)
         stop.set()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        if notice:
+            remove_stop_handlers()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         try:
             loop.add_signal_handler(sig, on_signal, sig)
         except (NotImplementedError, RuntimeError, ValueError):
             return
 
 
+def remove_stop_handlers() -> None:
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(sig)
+
+
 async def run(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
-    _install_stop_handlers(stop)
+    install_stop_handlers(stop, notice="loadtest")
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     default_key = args.api_key or os.environ.get("PDMESH_API_KEY") or os.environ.get(
         "OPENAI_API_KEY")

@@ -1,20 +1,23 @@
-"""One OpenAI-style request over aiohttp, streamed (SSE) or not, with its timings.
+"""The tools' one OpenAI-style client: a request over aiohttp, streamed (SSE) or not.
 
-Timings follow `vllm bench serve`: TTFT is from sending the request to the first chunk that
-carries text; each inter-token latency (ITL) is the gap between consecutive text chunks;
-E2E latency ends when the stream ends. Token counts come from the server's `usage` object
-when it sends one (`stream_options.include_usage`), else from the number of text chunks.
+`exchange` sends it and records what came back (`Reply`); the soak judges that as it is,
+the load tester turns it into a `RequestResult` (`send_request`). Timings follow `vllm bench
+serve`: TTFT is from sending the request to the first chunk that carries text; each
+inter-token latency (ITL) is the gap between consecutive text chunks; E2E latency ends when
+the stream ends. Token counts come from the server's `usage` object when it sends one
+(`stream_options.include_usage`), else from the number of text chunks.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from loadtest.workload import RequestSpec
+from pdmesh.loadtest.workload import RequestSpec
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
 
@@ -68,6 +71,176 @@ class ClientConfig:
 
 
 @dataclass
+class Reply:
+    """What the client saw of one request, as it came off the wire (times in seconds).
+
+    The load tester turns it into a `RequestResult` (its success rules and timings); the
+    soak judges it as it is (`soak_verdict.judge`)."""
+
+    status: int | None = None  # HTTP status; None: no response (connection, timeout)
+    text: str = ""  # all text received (the whole reply, or the part before an end)
+    finish_reason: str | None = None
+    error_code: str | None = None  # OpenAI error code (HTTP error body or stream event)
+    error: str = ""
+    http_reason: str = ""  # the HTTP reason phrase of a non-200 status
+    transport_error: str = ""  # timeout / connection / protocol / cancelled
+    stream_error: bool = False  # an error event arrived inside a 200 stream (or JSON body)
+    done: bool = False  # the reply was complete ([DONE], or a whole JSON body)
+    aborted: bool = False  # the client disconnected on purpose
+    chunks: int = 0  # text chunks received (a whole JSON body with text: 1)
+    prompt_tokens: int | None = None  # from usage
+    completion_tokens: int | None = None  # from usage
+    start_s: float = 0.0  # perf_counter at send
+    ttft_s: float = 0.0  # to the first text chunk of a stream
+    itls_s: list[float] = field(default_factory=list)  # gaps between text chunks
+    e2e_s: float = 0.0
+
+
+def request_body(cfg: ClientConfig, prompt: str, max_tokens: int) -> dict:
+    body: dict = {"model": cfg.model, "max_tokens": max_tokens,
+                  "temperature": cfg.temperature, "stream": cfg.stream}
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if cfg.stream:
+        body["stream_options"] = {"include_usage": True}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def chunk_text(payload: dict, endpoint: str) -> str:
+    """The text of one completion chunk / response (empty for a usage-only chunk)."""
+    choices = payload.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if endpoint == "chat":
+        part = choice.get("delta") or choice.get("message") or {}
+        return part.get("content") or ""
+    return choice.get("text") or ""
+
+
+def finish_reason(payload: dict) -> str | None:
+    choices = payload.get("choices") or []
+    return choices[0].get("finish_reason") if choices else None
+
+
+def error_fields(text: str) -> tuple[str, str | None]:
+    """(message, code) of an OpenAI-style error body; lenient to other bodies."""
+    try:
+        err = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return text[:500], None
+    if isinstance(err, dict):
+        code = err.get("code") or err.get("type")
+        return str(err.get("message", ""))[:500], None if code is None else str(code)
+    return text[:500], None
+
+
+def _apply_usage(reply: Reply, payload: dict) -> None:
+    usage = payload.get("usage")
+    if isinstance(usage, dict):
+        if isinstance(usage.get("prompt_tokens"), int):
+            reply.prompt_tokens = usage["prompt_tokens"]
+        if isinstance(usage.get("completion_tokens"), int):
+            reply.completion_tokens = usage["completion_tokens"]
+
+
+async def exchange(session: aiohttp.ClientSession, cfg: ClientConfig, prompt: str,
+                   max_tokens: int, headers: Mapping[str, str] | None = None, *,
+                   abort_after_chunks: int = 0, stop_at_error: bool = False) -> Reply:
+    """Send one request and record what came back: the one OpenAI client (JSON or SSE) of
+    the load tester and the soak. Never raises for server or network errors (they are
+    recorded in the reply); CancelledError propagates.
+
+    `abort_after_chunks`: drop the connection once that many text chunks arrived (the
+    server sees the client go away). `stop_at_error`: stop reading a stream at its first
+    error event (else read on to its end)."""
+    reply = Reply()
+    reply.start_s = time.perf_counter()
+    try:
+        async with session.post(cfg.url(), json=request_body(cfg, prompt, max_tokens),
+                                headers=dict(headers or {}),
+                                timeout=aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+                                ) as resp:
+            reply.status = resp.status
+            if resp.status != 200:
+                reply.http_reason = resp.reason or ""
+                reply.error, reply.error_code = error_fields(await resp.text())
+            elif cfg.stream:
+                await _read_stream(resp, cfg.endpoint, reply, abort_after_chunks,
+                                   stop_at_error)
+            else:
+                _read_body(await resp.json(content_type=None), cfg.endpoint, reply)
+    except TimeoutError:
+        reply.transport_error = "timeout"
+    except aiohttp.ClientError as exc:
+        reply.transport_error = "connection"
+        reply.error = f"{type(exc).__name__}: {exc}"
+    except (ValueError, UnicodeDecodeError) as exc:
+        reply.transport_error = "protocol"
+        reply.error = f"{type(exc).__name__}: {exc}"
+    reply.e2e_s = time.perf_counter() - reply.start_s
+    return reply
+
+
+def _read_body(payload: dict, endpoint: str, reply: Reply) -> None:
+    """A whole (stream=false) JSON reply."""
+    if "error" in payload:
+        reply.error, reply.error_code = error_fields(json.dumps(payload))
+        reply.stream_error = True
+        return
+    reply.text = chunk_text(payload, endpoint)
+    reply.finish_reason = finish_reason(payload)
+    _apply_usage(reply, payload)
+    reply.chunks = 1 if reply.text else 0
+    reply.done = True
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, endpoint: str, reply: Reply,
+                       abort_after_chunks: int, stop_at_error: bool) -> None:
+    parser = SSEParser()
+    texts: list[str] = []
+    last = reply.start_s
+    async for raw in resp.content.iter_any():
+        now = time.perf_counter()
+        for data in parser.feed(raw):
+            if data.strip() == "[DONE]":
+                reply.done = True
+                continue
+            payload = json.loads(data)
+            if not isinstance(payload, dict):
+                raise ValueError(f"stream chunk is not an object: {data[:200]}")
+            if "error" in payload:
+                reply.error, reply.error_code = error_fields(data)
+                reply.stream_error = True
+                if stop_at_error:
+                    reply.text = "".join(texts)
+                    return
+                continue
+            text = chunk_text(payload, endpoint)
+            if text:
+                if reply.chunks == 0:
+                    reply.ttft_s = now - reply.start_s
+                else:
+                    reply.itls_s.append(now - last)
+                reply.chunks += 1
+                last = now
+                texts.append(text)
+            reply.finish_reason = finish_reason(payload) or reply.finish_reason
+            _apply_usage(reply, payload)
+        reply.text = "".join(texts)
+        if (abort_after_chunks and reply.chunks >= abort_after_chunks and not reply.done
+                and not reply.stream_error):
+            reply.aborted = True
+            resp.close()  # drop the connection: the server sees the client go away
+            return
+    reply.text = "".join(texts)
+
+
+@dataclass
 class RequestResult:
     """The outcome of one request; times in seconds (like vllm's RequestFuncOutput)."""
 
@@ -96,6 +269,44 @@ class RequestResult:
         return cls(req.index, req.tenant, req.prompt_len, req.max_tokens, req.expect_reject,
                    req.warmup)
 
+    @classmethod
+    def from_reply(cls, req: RequestSpec, cfg: ClientConfig, reply: Reply) -> RequestResult:
+        """The load tester's accounting of a reply: a success needs a 200 with output (a
+        stream: text chunks and `data: [DONE]`); a transport failure keeps no text."""
+        result = cls.for_request(req)
+        result.status, result.prompt_tokens = reply.status, reply.prompt_tokens
+        result.finish_reason = reply.finish_reason
+        result.start_s, result.e2el_s = reply.start_s, reply.e2e_s
+        result.ttft_s, result.itls_s = reply.ttft_s, reply.itls_s
+        if reply.transport_error:
+            result.output_tokens = reply.completion_tokens or 0
+            message = (f"no complete response within {cfg.request_timeout_s}s"
+                       if reply.transport_error == "timeout" else reply.error)
+            return result.fail(reply.transport_error, message)
+        if reply.status != 200:
+            result.error, result.error_code = reply.error, reply.error_code
+            return result.fail(f"http_{reply.status}", reply.error or reply.http_reason)
+        result.generated_text = reply.text
+        if not cfg.stream:  # TTFT of a whole reply is its E2E latency (as vllm)
+            result.ttft_s = result.e2el_s
+            result.output_tokens = (reply.chunks if reply.completion_tokens is None
+                                    else reply.completion_tokens)
+            result.success = result.output_tokens > 0
+            if not result.success:
+                result.fail("empty", "response without output tokens")
+            return result
+        if reply.stream_error:
+            result.error_code = reply.error_code
+            result.output_tokens = reply.completion_tokens or 0
+            return result.fail("stream_error", reply.error)
+        result.output_tokens = reply.completion_tokens or reply.chunks
+        if not reply.done:
+            return result.fail("stream_error", "stream ended without data: [DONE]")
+        if reply.chunks == 0:
+            return result.fail("empty", "stream without output text")
+        result.success = True
+        return result
+
     @property
     def input_len(self) -> int:
         return self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len
@@ -113,140 +324,14 @@ class RequestResult:
         return self
 
 
-def request_body(cfg: ClientConfig, req: RequestSpec) -> dict:
-    body: dict = {"model": cfg.model, "max_tokens": req.max_tokens,
-                  "temperature": cfg.temperature, "stream": cfg.stream}
-    if cfg.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
-    else:
-        body["prompt"] = req.prompt
-    if cfg.stream:
-        body["stream_options"] = {"include_usage": True}
-    if cfg.ignore_eos:
-        body["ignore_eos"] = True
-    return body
-
-
-def chunk_text(payload: dict, endpoint: str) -> str:
-    """The text of one completion chunk / response (empty for a usage-only chunk)."""
-    choices = payload.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if endpoint == "chat":
-        part = choice.get("delta") or choice.get("message") or {}
-        return part.get("content") or ""
-    return choice.get("text") or ""
-
-
-def _finish_reason(payload: dict) -> str | None:
-    choices = payload.get("choices") or []
-    return choices[0].get("finish_reason") if choices else None
-
-
-def error_fields(text: str) -> tuple[str, str | None]:
-    """(message, code) of an OpenAI-style error body; lenient to other bodies."""
-    try:
-        err = json.loads(text).get("error")
-    except (ValueError, AttributeError):
-        return text[:500], None
-    if isinstance(err, dict):
-        code = err.get("code") or err.get("type")
-        return str(err.get("message", ""))[:500], None if code is None else str(code)
-    return text[:500], None
-
-
-def _apply_usage(result: RequestResult, payload: dict) -> None:
-    usage = payload.get("usage")
-    if isinstance(usage, dict):
-        if isinstance(usage.get("prompt_tokens"), int):
-            result.prompt_tokens = usage["prompt_tokens"]
-        if isinstance(usage.get("completion_tokens"), int):
-            result.output_tokens = usage["completion_tokens"]
-
-
 async def send_request(session: aiohttp.ClientSession, cfg: ClientConfig, req: RequestSpec,
                        api_key: str | None) -> RequestResult:
     """Send one request and measure it. Never raises for server or network errors (they are
     recorded in the result); CancelledError propagates."""
-    result = RequestResult.for_request(req)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
-    result.start_s = start = time.perf_counter()
-    try:
-        async with session.post(cfg.url(), json=request_body(cfg, req), headers=headers,
-                                timeout=timeout) as resp:
-            result.status = resp.status
-            if resp.status != 200:
-                result.error, result.error_code = error_fields(await resp.text())
-                return result.fail(f"http_{resp.status}", result.error or resp.reason or "")
-            if cfg.stream:
-                await _read_stream(resp, cfg, result, start)
-            else:
-                payload = await resp.json(content_type=None)
-                result.generated_text = chunk_text(payload, cfg.endpoint)
-                result.finish_reason = _finish_reason(payload)
-                result.output_tokens = 1 if result.generated_text else 0
-                _apply_usage(result, payload)
-                result.ttft_s = result.e2el_s = time.perf_counter() - start
-                result.success = result.output_tokens > 0
-                if not result.success:
-                    result.fail("empty", "response without output tokens")
-    except TimeoutError:
-        result.e2el_s = time.perf_counter() - start
-        return result.fail("timeout", f"no complete response within {cfg.request_timeout_s}s")
-    except aiohttp.ClientError as exc:
-        result.e2el_s = time.perf_counter() - start
-        return result.fail("connection", f"{type(exc).__name__}: {exc}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        result.e2el_s = time.perf_counter() - start
-        return result.fail("protocol", f"{type(exc).__name__}: {exc}")
-    return result
-
-
-async def _read_stream(resp: aiohttp.ClientResponse, cfg: ClientConfig, result: RequestResult,
-                       start: float) -> None:
-    parser = SSEParser()
-    texts: list[str] = []
-    num_chunks = 0
-    last = start
-    done = False
-    async for raw in resp.content.iter_any():
-        now = time.perf_counter()
-        for data in parser.feed(raw):
-            if data.strip() == "[DONE]":
-                done = True
-                continue
-            payload = json.loads(data)
-            if not isinstance(payload, dict):
-                raise ValueError(f"stream chunk is not an object: {data[:200]}")
-            if "error" in payload:
-                message, result.error_code = error_fields(data)
-                result.e2el_s = now - start
-                result.generated_text = "".join(texts)
-                result.fail("stream_error", message)
-                return
-            text = chunk_text(payload, cfg.endpoint)
-            if text:
-                if num_chunks == 0:
-                    result.ttft_s = now - start
-                else:
-                    result.itls_s.append(now - last)
-                num_chunks += 1
-                last = now
-                texts.append(text)
-            result.finish_reason = _finish_reason(payload) or result.finish_reason
-            _apply_usage(result, payload)
-    result.e2el_s = time.perf_counter() - start
-    result.generated_text = "".join(texts)
-    if result.output_tokens == 0:
-        result.output_tokens = num_chunks
-    if not done:
-        result.fail("stream_error", "stream ended without data: [DONE]")
-    elif num_chunks == 0:
-        result.fail("empty", "stream without output text")
-    else:
-        result.success = True
+    reply = await exchange(session, cfg, req.prompt, req.max_tokens, headers,
+                           stop_at_error=True)
+    return RequestResult.from_reply(req, cfg, reply)
 
 
 async def fetch_model_info(session: aiohttp.ClientSession, base_url: str,
@@ -259,6 +344,12 @@ async def fetch_model_info(session: aiohttp.ClientSession, base_url: str,
         payload = await resp.json(content_type=None)
     models = payload.get("data") or []
     return models[0] if models else {}
+
+
+async def model_info(base_url: str, api_key: str | None) -> dict:
+    """`fetch_model_info` over a session of its own (raises on failure)."""
+    async with aiohttp.ClientSession() as session:
+        return await fetch_model_info(session, base_url, api_key)
 
 
 def context_length_of(model_info: dict) -> int | None:

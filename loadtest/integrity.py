@@ -1,6 +1,6 @@
 """Integrity oracle: every loaded reply must equal the reply to the same prompt run alone.
 
-"It returned 200" is not a test (INCIDENT.md, lesson 5). With greedy decoding
+"It returned 200" is not a test (docs/INCIDENT.md, lesson 5). With greedy decoding
 (temperature 0) a prompt has exactly one correct output; each distinct prompt is sent
 alone, one at a time, before (or after) the load, and every successful loaded reply for it
 is compared with that reference, character for character.
@@ -12,8 +12,8 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 
-from loadtest.client import RequestResult
-from loadtest.workload import RequestSpec
+from pdmesh.loadtest.client import RequestResult
+from pdmesh.loadtest.workload import RequestSpec
 
 PromptKey = tuple[str, int]  # (prompt, max_tokens)
 
@@ -41,11 +41,19 @@ async def run_references(requests: Sequence[RequestSpec],
     return references
 
 
-def _first_difference(a: str, b: str) -> int:
+def first_difference(a: str, b: str) -> int:
+    """Index of the first character where `a` and `b` differ (the shorter length if one is
+    a prefix of the other)."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+def prompt_fingerprint(prompt: str) -> dict:
+    """What a mismatch record keeps of a prompt: its hash and its first characters."""
+    return {"prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
+            "prompt_head": prompt[:80]}
 
 
 def check_integrity(requests: Sequence[RequestSpec], results: Sequence[RequestResult],
@@ -71,10 +79,9 @@ def check_integrity(requests: Sequence[RequestSpec], results: Sequence[RequestRe
                 "tenant": req.tenant,
                 "prompt_len": req.prompt_len,
                 "max_tokens": req.max_tokens,
-                "prompt_sha256": hashlib.sha256(req.prompt.encode()).hexdigest(),
-                "prompt_head": req.prompt[:80],
-                "first_difference_at": _first_difference(result.generated_text,
-                                                         reference.generated_text),
+                **prompt_fingerprint(req.prompt),
+                "first_difference_at": first_difference(result.generated_text,
+                                                        reference.generated_text),
                 "expected_text": reference.generated_text,
                 "loaded_text": result.generated_text,
                 "expected_output_tokens": reference.output_tokens,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from loadtest.client import RequestResult
+from pdmesh.loadtest.client import RequestResult
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")

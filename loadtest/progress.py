@@ -6,7 +6,7 @@ import sys
 import time
 from typing import TextIO
 
-from loadtest.client import RequestResult
+from pdmesh.loadtest.client import RequestResult
 
 
 class ProgressBar:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +114,19 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
+def format_row(name: str, value: object, name_width: int, value_width: int = 18) -> str:
+    return f"{name:<{name_width}}{_fmt(value):>{value_width}}"
+
+
+def format_block(title: str, rows: Iterable[tuple[str, object]], name_width: int,
+                 value_width: int = 18) -> list[str]:
+    """A title line (`===== title =====`) and one `name ... value` line a row; the caller
+    adds its own lines and the closing `=` line."""
+    lines = [title.center(name_width + value_width, "=")]
+    lines += [format_row(name, value, name_width, value_width) for name, value in rows]
+    return lines
+
+
 def format_summary(result: Mapping) -> str:
     """A `vllm bench serve`-style block of the main figures of one run."""
     rows = [
@@ -141,10 +154,8 @@ def format_summary(result: Mapping) -> str:
     if "integrity_mismatches" in result:
         rows.append(("Integrity checked / mismatches",
                      f"{result['integrity_checked']} / {result['integrity_mismatches']}"))
-    title = f" Load test result: {result.get('label', '')} "
-    lines = [title.center(60, "=")]
-    lines += [f"{name:<42}{_fmt(value):>18}" for name, value in rows]
-    lines.append("=" * 60)
+    lines = format_block(f" Load test result: {result.get('label', '')} ", rows, 42)
+    lines.append("=" * len(lines[0]))
     return "\n".join(lines)
 
 

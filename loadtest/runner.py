@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loadtest.client import RequestResult
-from loadtest.workload import RequestSpec
+from pdmesh.loadtest.client import RequestResult
+from pdmesh.loadtest.workload import RequestSpec
 
 ARRIVALS = ("poisson", "gamma")
 SendFn = Callable[[RequestSpec], Awaitable[RequestResult]]

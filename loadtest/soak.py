@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import datetime
 import json
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -32,16 +31,32 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.client import (ENDPOINTS, SSEParser, chunk_text, context_length_of, error_fields,
-                             fetch_model_info)
-from loadtest.report import write_json
-from loadtest.soak_verdict import Expected, Oracle, Reply, Tally, judge
-from loadtest.soak_workload import (DEFAULT_FAULTS, RequestPlan, SoakWorkload, make_tenants,
-                                    plan_request)
+from pdmesh.loadtest.cli import (
+    EXIT_CORRECTNESS,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    install_stop_handlers,
+    remove_stop_handlers,
+    split_list,
+)
+from pdmesh.loadtest.client import ClientConfig, Reply, context_length_of, exchange, model_info
+from pdmesh.loadtest.oracle import Expected, Oracle
+from pdmesh.loadtest.report import format_block, format_row, write_json
+from pdmesh.loadtest.soak_pool import check_pools
+from pdmesh.loadtest.soak_verdict import Tally, judge
+from pdmesh.loadtest.soak_workload import (
+    DEFAULT_FAULTS,
+    RequestPlan,
+    SoakWorkload,
+    make_tenants,
+    plan_request,
+)
+from pdmesh.services.faults import ALL as FAULT_NAMES
+from pdmesh.services.faults import FAULT_HEADER
 
-EXIT_OK, EXIT_CORRECTNESS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-FAULT_HEADER = "X-Pdmesh-Fault"  # services/faults.py (not imported: keeps the client light)
 DEV_KEYS = "sk-dev-alice,sk-dev-bob,sk-dev-carol"
+NAME_WIDTH = 46  # the summary's first column
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,119 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _valid_faults(names: list[str]) -> list[str]:
-    try:
-        from services.faults import ALL
-    except ImportError:  # the client used outside the repository: trust the names
-        return []
-    return [n for n in names if n not in ALL]
-
-
 def workload_from_args(args: argparse.Namespace, context_length: int) -> SoakWorkload:
-    keys = [k.strip() for k in args.api_keys.split(",") if k.strip()]
-    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    tenants = tuple(make_tenants(split_list(args.api_keys), args.seed))
     return SoakWorkload(
-        tenants=tuple(make_tenants(keys, args.seed)), context_length=context_length,
+        tenants=tenants, context_length=context_length,
         seed=args.seed, min_len=args.min_len, max_len=args.max_len,
         min_tokens=args.min_tokens, max_tokens=args.max_tokens,
         over_capacity_fraction=args.over_capacity_fraction, abort_fraction=args.abort_fraction,
-        fault_fraction=args.fault_fraction, faults=faults,
+        fault_fraction=args.fault_fraction, faults=tuple(split_list(args.faults)),
         repeat_fraction=args.repeat_fraction, chat_fraction=args.chat_fraction,
         non_stream_fraction=args.non_stream_fraction)
 
 
 # -- one request ----------------------------------------------------------------------------
-def request_body(plan: RequestPlan, model: str) -> dict:
-    body: dict = {"model": model, "max_tokens": plan.max_tokens, "temperature": 0.0,
-                  "stream": plan.stream}
-    if plan.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": plan.prompt}]
-    else:
-        body["prompt"] = plan.prompt
-    if plan.stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-def _finish(payload: dict) -> str | None:
-    choices = payload.get("choices") or []
-    return choices[0].get("finish_reason") if choices else None
-
-
 async def send_plan(session: aiohttp.ClientSession, base_url: str, model: str,
                     plan: RequestPlan, timeout_s: float) -> Reply:
     """Send one planned request; never raises for server or network errors."""
-    reply = Reply()
     headers = {"Authorization": f"Bearer {plan.tenant.api_key}"}
     if plan.fault:
         headers[FAULT_HEADER] = plan.fault
-    url = base_url.rstrip("/") + ENDPOINTS[plan.endpoint]
-    start = time.perf_counter()
-    try:
-        async with session.post(url, json=request_body(plan, model), headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            reply.status = resp.status
-            if resp.status != 200:
-                reply.error, reply.error_code = error_fields(await resp.text())
-            elif plan.stream:
-                await _read_stream(resp, plan, reply, start)
-            else:
-                payload = await resp.json(content_type=None)
-                if "error" in payload:
-                    reply.error, reply.error_code = error_fields(json.dumps(payload))
-                    reply.stream_error = True
-                else:
-                    reply.text = chunk_text(payload, plan.endpoint)
-                    reply.finish_reason = _finish(payload)
-                    usage = payload.get("usage") or {}
-                    reply.completion_tokens = usage.get("completion_tokens")
-                    reply.chunks = 1 if reply.text else 0
-                    reply.done = True
-    except TimeoutError:
-        reply.transport_error = "timeout"
-    except aiohttp.ClientError as exc:
-        reply.transport_error = "connection"
-        reply.error = f"{type(exc).__name__}: {exc}"
-    except (ValueError, UnicodeDecodeError) as exc:
-        reply.transport_error = "protocol"
-        reply.error = f"{type(exc).__name__}: {exc}"
-    reply.e2e_s = time.perf_counter() - start
-    return reply
-
-
-async def _read_stream(resp: aiohttp.ClientResponse, plan: RequestPlan, reply: Reply,
-                       start: float) -> None:
-    parser = SSEParser()
-    texts: list[str] = []
-    async for raw in resp.content.iter_any():
-        for data in parser.feed(raw):
-            if data.strip() == "[DONE]":
-                reply.done = True
-                continue
-            payload = json.loads(data)
-            if not isinstance(payload, dict):
-                raise ValueError(f"stream chunk is not an object: {data[:200]}")
-            if "error" in payload:
-                reply.error, reply.error_code = error_fields(data)
-                reply.stream_error = True
-                continue
-            text = chunk_text(payload, plan.endpoint)
-            if text:
-                if not texts:
-                    reply.ttft_s = time.perf_counter() - start
-                texts.append(text)
-                reply.chunks += 1
-            reply.finish_reason = _finish(payload) or reply.finish_reason
-            usage = payload.get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                reply.completion_tokens = usage["completion_tokens"]
-        reply.text = "".join(texts)
-        if (plan.abort_after_chunks and reply.chunks >= plan.abort_after_chunks
-                and not reply.done and not reply.stream_error):
-            reply.aborted = True
-            resp.close()  # drop the connection: the gateway sees the client go away
-            return
-    reply.text = "".join(texts)
+    cfg = ClientConfig(base_url, model, endpoint=plan.endpoint, stream=plan.stream,
+                       temperature=0.0, request_timeout_s=timeout_s)
+    return await exchange(session, cfg, plan.prompt, plan.max_tokens, headers,
+                          abort_after_chunks=plan.abort_after_chunks)
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -224,8 +149,9 @@ class Soak:
         expected_task = None
         if plan.needs_oracle:
             # The oracle computes (in its thread) while the mesh answers.
-            expected_task = asyncio.ensure_future(
-                self.oracle.wait(self.oracle.submit(plan), self.args.oracle_timeout))
+            expected_task = asyncio.ensure_future(self.oracle.wait(
+                self.oracle.submit(plan.prompt, plan.max_tokens, plan.endpoint),
+                self.args.oracle_timeout))
         try:
             reply = await send_plan(session, self.args.base_url, self.model, plan,
                                     self.args.request_timeout)
@@ -321,11 +247,10 @@ def format_summary(result: dict) -> str:
         ("Misreported rejections (must be 0)", result["misreported_rejections"]),
         ("Unexpected rejections (must be 0)", result["unexpected_rejections"]),
         ("Elapsed (s)", f"{result['elapsed_s']:.1f}"),
-        ("Served e2e p50 / p99 (ms)", f"{result['latency_ms']['served_e2e']['p50']:.0f} / "
-                                      f"{result['latency_ms']['served_e2e']['p99']:.0f}"),
+        ("Served e2e p50 / p99 (ms)", (f"{result['latency_ms']['served_e2e']['p50']:.0f} / "
+                                       f"{result['latency_ms']['served_e2e']['p99']:.0f}")),
     ]
-    lines = [" pdmesh soak ".center(64, "=")]
-    lines += [f"{name:<46}{value!s:>18}" for name, value in rows]
+    lines = format_block(" pdmesh soak ", rows, NAME_WIDTH)
     if result["faults"]:
         lines.append("Faults (name: injected / how they ended)")
         for name, ends in result["faults"].items():
@@ -333,28 +258,24 @@ def format_summary(result: dict) -> str:
             lines.append(f"  {name:<22}{ends.get('injected', 0):>4}  {rest}")
     pool = result.get("pool_check") or {}
     if pool.get("checked"):
-        lines.append(f"{'Pool check: leases left / integrity failures':<46}"
-                     f"{str(pool['leaked_leases']) + ' / ' + str(pool['integrity_failures']):>18}")
+        lines.append(format_row("Pool check: leases left / integrity failures",
+                                f"{pool['leaked_leases']} / {pool['integrity_failures']}",
+                                NAME_WIDTH))
     if result["errors_by_code"]:
         lines.append("Errors by code: " + json.dumps(result["errors_by_code"]))
-    lines.append(("RESULT: OK" if result["ok"] else "RESULT: FAILED " + ", ".join(
-        result["failures"])))
-    lines.append("=" * 64)
+    lines.append("RESULT: OK" if result["ok"] else "RESULT: FAILED " + ", ".join(
+        result["failures"]))
+    lines.append("=" * len(lines[0]))
     return "\n".join(lines)
 
 
-async def _discover(args: argparse.Namespace, key: str) -> dict:
-    async with aiohttp.ClientSession() as session:
-        return await fetch_model_info(session, args.base_url, key)
-
-
 async def _amain(args: argparse.Namespace) -> int:
-    keys = [k.strip() for k in args.api_keys.split(",") if k.strip()]
+    keys = split_list(args.api_keys)
     if not keys:
         print("pdmesh soak: --api-keys is empty", file=sys.stderr)
         return EXIT_USAGE
     try:
-        info = await _discover(args, keys[0])
+        info = await model_info(args.base_url, keys[0])
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         print(f"pdmesh soak: GET {args.base_url}/models failed: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -376,10 +297,7 @@ async def _amain(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    install_stop_handlers(stop)
     soak = Soak(args, workload, oracle, model, stop)
     if not args.quiet:
         print(f"soak: {args.base_url} model {model} context {context_length}, "
@@ -389,14 +307,10 @@ async def _amain(args: argparse.Namespace) -> int:
         elapsed = await soak.run()
     finally:
         oracle.close()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)
+        remove_stop_handlers()
     summary = soak.tally.summary()
     pool: dict = {"checked": False, "error": "no --nats-url given"}
     if args.nats_url and soak.stopped_by != "signal":
-        from loadtest.soak_pool import check_pools
-
         pool = await check_pools(args.nats_url, args.pool_settle)
         if pool["error"]:
             print(f"pdmesh soak: pool check skipped: {pool['error']}", file=sys.stderr)
@@ -438,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1 or args.max_requests < 1:
         print("pdmesh soak: --concurrency and --max-requests must be >= 1", file=sys.stderr)
         return EXIT_USAGE
-    unknown = _valid_faults([f.strip() for f in args.faults.split(",") if f.strip()])
+    unknown = [name for name in split_list(args.faults) if name not in FAULT_NAMES]
     if unknown:
         print(f"pdmesh soak: unknown fault names: {', '.join(unknown)}", file=sys.stderr)
         return EXIT_USAGE

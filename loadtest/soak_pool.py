@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pdmesh.loadtest.check import Unreachable, collect
+
 
 def _summary(rows: list, waited_s: float, error: str = "") -> dict:
     workers = []
@@ -37,8 +39,6 @@ def _summary(rows: list, waited_s: float, error: str = "") -> dict:
 
 async def check_pools(nats_url: str, settle_s: float = 10.0) -> dict:
     """Poll the workers' stats until no lease is held (or `settle_s` passes)."""
-    from services.check import Unreachable, collect
-
     t0 = time.monotonic()
     rows: list = []
     while True:

@@ -1,59 +1,30 @@
-"""The soak's verdicts: the output oracle, the per-request judgement and the tally.
+"""The soak's verdicts: the per-request judgement and the tally.
 
-The oracle is the single-process reference engine (no pool, no pages, no transfer): with
-greedy decoding a prompt has exactly one right answer, and every reply the mesh serves
-must be it (INCIDENT.md lesson 5, invariant I4). Partial text (an aborted stream, a stream
-that ended in an error event) must be a prefix of it. No reply may carry another tenant's
-canary marker. An over-capacity prompt must get HTTP 400 `context_length_exceeded` (with
-`bypass_admission`, any error will do), never output.
+Every reply the mesh serves must be the output oracle's answer (`oracle.py`: the
+single-process reference engine; docs/INCIDENT.md lesson 5, invariant I4). Partial text (an
+aborted stream, a stream that ended in an error event) must be a prefix of it. No reply may
+carry another tenant's canary marker. An over-capacity prompt must get HTTP 400
+`context_length_exceeded` (with `bypass_admission`, any error will do), never output.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import hashlib
-import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
-from loadtest.soak_workload import RequestPlan, Tenant
+from pdmesh.loadtest.client import Reply
+from pdmesh.loadtest.integrity import first_difference, prompt_fingerprint
+from pdmesh.loadtest.oracle import Expected
+from pdmesh.loadtest.soak_workload import RequestPlan, Tenant
 
-OUTCOMES = ("served", "rejected", "aborted", "failed")
+Outcome = Literal["served", "rejected", "aborted", "failed"]
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-
-
-@dataclass(frozen=True)
-class Expected:
-    """The oracle's answer for one prompt."""
-
-    text: str
-    finish_reason: str  # "stop" (eos) or "length"
-    num_tokens: int  # generated tokens, eos included
-
-
-@dataclass
-class Reply:
-    """What the client saw of one request."""
-
-    status: int | None = None  # HTTP status; None: no response (connection, timeout)
-    text: str = ""  # all text received (the whole reply, or the part before an end)
-    finish_reason: str | None = None
-    error_code: str | None = None  # OpenAI error code (HTTP error body or stream event)
-    error: str = ""
-    transport_error: str = ""  # timeout / connection / protocol / cancelled
-    stream_error: bool = False  # an error event arrived inside a 200 stream
-    done: bool = False  # the reply was complete ([DONE], or a whole JSON body)
-    aborted: bool = False  # the client disconnected on purpose
-    chunks: int = 0  # text chunks received
-    completion_tokens: int | None = None  # from usage
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
 
 
 @dataclass
 class Verdict:
-    outcome: str  # one of OUTCOMES
+    outcome: Outcome
     oracle: str = "none"  # match, mismatch, prefix_match, prefix_mismatch, unchecked, none
     leaked_tenants: list[str] = field(default_factory=list)
     missed_rejection: bool = False  # over-capacity prompt produced output
@@ -78,7 +49,7 @@ def leaked_markers(text: str, own: Tenant, tenants: list[Tenant] | tuple[Tenant,
     return [t.name for t in tenants if t.index != own.index and t.marker_id in text]
 
 
-def outcome_of(reply: Reply) -> str:
+def outcome_of(reply: Reply) -> Outcome:
     if reply.aborted:
         return "aborted"
     if reply.status == 400 and reply.error_code == CONTEXT_LENGTH_EXCEEDED:
@@ -144,17 +115,12 @@ def judge(plan: RequestPlan, reply: Reply, expected: Expected | None,
 def mismatch_record(plan: RequestPlan, reply: Reply, expected: Expected | None,
                     verdict: Verdict) -> dict:
     """What to keep of a request that broke a rule (for the JSON file)."""
-    first_diff = None
-    if expected is not None:
-        a, b = reply.text, expected.text
-        first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a),
-                                                                                  len(b)))
+    first_diff = None if expected is None else first_difference(reply.text, expected.text)
     return {
         "index": plan.index, "tenant": plan.tenant.name, "kind": plan.kind,
         "fault": plan.fault, "endpoint": plan.endpoint, "stream": plan.stream,
         "prompt_len": plan.prompt_len, "max_tokens": plan.max_tokens,
-        "prompt_sha256": hashlib.sha256(plan.prompt.encode()).hexdigest(),
-        "prompt_head": plan.prompt[:80], "outcome": verdict.outcome, "oracle": verdict.oracle,
+        **prompt_fingerprint(plan.prompt), "outcome": verdict.outcome, "oracle": verdict.oracle,
         "status": reply.status, "error_code": reply.error_code, "error": reply.error[:300],
         "leaked_tenants": verdict.leaked_tenants, "problems": verdict.problems,
         "received_text": reply.text, "received_finish_reason": reply.finish_reason,
@@ -162,77 +128,6 @@ def mismatch_record(plan: RequestPlan, reply: Reply, expected: Expected | None,
         "expected_finish_reason": None if expected is None else expected.finish_reason,
         "first_difference_at": first_diff,
     }
-
-
-class Oracle:
-    """Reference-engine answers, computed in one worker thread and cached per prompt.
-
-    `threads` sets torch's intra-op threads for this process (1 leaves the other cores to
-    the mesh under test; more threads on a loaded 2-core machine are slower, not faster)."""
-
-    def __init__(self, model: str = "tiny", threads: int = 1, max_cached: int = 50_000) -> None:
-        import torch
-
-        from services.engine.models import load_model
-        from services.engine.reference import ReferenceEngine
-
-        if threads > 0:
-            torch.set_num_threads(threads)
-        self.loaded = load_model(model)
-        self.tokenizer = self.loaded.tokenizer
-        self.engine = ReferenceEngine(self.loaded)
-        self.max_context = self.loaded.config.max_context
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="soak-oracle")
-        self._cache: dict[tuple[str, str, int], concurrent.futures.Future[Expected]] = {}
-        self._lock = threading.Lock()
-        self._max_cached = max_cached
-        self.computed = 0
-        self.cache_hits = 0
-
-    def prompt_ids(self, plan: RequestPlan) -> list[int]:
-        """The ids the gateway feeds the model for this request."""
-        text = plan.prompt
-        if plan.endpoint == "chat":
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        return self.tokenizer.encode(text)
-
-    def _compute(self, plan: RequestPlan) -> Expected:
-        from services.engine.sampling import SamplingParams
-
-        ids = self.engine.generate(self.prompt_ids(plan),
-                                   SamplingParams(temperature=0.0, max_tokens=plan.max_tokens))
-        eos = self.tokenizer.eos_token_ids
-        stopped = bool(ids) and ids[-1] in eos
-        text = self.tokenizer.decode([t for t in ids if t not in eos])
-        self.computed += 1
-        return Expected(text, "stop" if stopped else "length", len(ids))
-
-    def submit(self, plan: RequestPlan) -> concurrent.futures.Future[Expected]:
-        key = (plan.endpoint, plan.prompt, plan.max_tokens)
-        with self._lock:
-            fut = self._cache.get(key)
-            if fut is not None:
-                self.cache_hits += 1
-                return fut
-            fut = self._pool.submit(self._compute, plan)
-            if len(self._cache) < self._max_cached:
-                self._cache[key] = fut
-            return fut
-
-    @staticmethod
-    async def wait(fut: concurrent.futures.Future[Expected], timeout_s: float
-                   ) -> Expected | None:
-        """The answer of a `submit`, or None when the oracle failed or took too long."""
-        if fut.cancelled():
-            return None
-        try:
-            # shield: a timeout here must not cancel the cached computation.
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout_s)
-        except (TimeoutError, ValueError, RuntimeError, concurrent.futures.CancelledError):
-            return None
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass

@@ -19,14 +19,15 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
-from loadtest.workload import random_text
+from pdmesh.loadtest.workload import random_text
 
 MARKER_EVERY = 160  # characters of filler between two copies of the marker
 CHAT_TEMPLATE_OVERHEAD = 64  # generous upper bound of the chat template's added characters
-KINDS = ("normal", "over_capacity", "abort", "fault")
+Kind = Literal["normal", "over_capacity", "abort", "fault"]
 # Faults of services/faults.py that end quickly (no deadline waited out); the default list.
 DEFAULT_FAULTS = ("corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
                   "reorder_frames", "commit_first", "truncate", "reset", "stale_epoch",
@@ -115,7 +116,7 @@ class SoakWorkload:
 class RequestPlan:
     index: int
     tenant: Tenant
-    kind: str  # one of KINDS
+    kind: Kind
     prompt: str
     prompt_index: int  # the index whose prompt this is (== index unless repeated)
     max_tokens: int
@@ -178,6 +179,7 @@ def plan_request(wl: SoakWorkload, index: int) -> RequestPlan:
     tenant = wl.tenants[index % len(wl.tenants)]
     rng = _rng(wl.seed, _STREAM_KIND, index)
     u = rng.random()
+    kind: Kind
     if u < wl.over_capacity_fraction:
         kind = "over_capacity"
     elif u < wl.over_capacity_fraction + wl.abort_fraction:

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from loadtest import integrity
-from loadtest.client import ClientConfig, RequestResult, fetch_model_info, send_request
-from loadtest.metrics import compute_metrics, parse_goodput
-from loadtest.progress import ProgressBar
-from loadtest.runner import LoadShape, SendFn, run_load
-from loadtest.workload import RequestSpec, WorkloadSpec, build_warmup_requests
+from pdmesh.loadtest import integrity
+from pdmesh.loadtest.client import ClientConfig, RequestResult, model_info, send_request
+from pdmesh.loadtest.metrics import compute_metrics, parse_goodput
+from pdmesh.loadtest.progress import ProgressBar
+from pdmesh.loadtest.runner import LoadShape, SendFn, run_load
+from pdmesh.loadtest.workload import RequestSpec, WorkloadSpec, build_warmup_requests
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,7 @@ async def _references(requests: list[RequestSpec], send: SendFn, stop: asyncio.E
 
 async def discover(target: Target) -> dict:
     try:
-        async with aiohttp.ClientSession() as session:
-            return await fetch_model_info(session, target.base_url, target.api_keys[0])
+        return await model_info(target.base_url, target.api_keys[0])
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         print(f"loadtest: GET {target.base_url}/models failed: {exc}", file=sys.stderr)
         return {}

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from services.errors import StartupError
+from pdmesh.kvstore.spec import pages_for
+from pdmesh.services.errors import StartupError
 
 log = logging.getLogger("pdmesh.capacity")
-
-
-def pages_for(num_tokens: int, page_tokens: int) -> int:
-    return -(-num_tokens // page_tokens)
 
 
 def fits(num_tokens: int, capacity_tokens: int, page_tokens: int) -> bool:

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from services.errors import ConfigError
+from pdmesh.kvstore.spec import pages_for
+from pdmesh.services.errors import ConfigError
 
 TRANSPORTS = ("tcp", "ucx")
 SCRUB_POLICIES = ("none", "zero", "poison")
@@ -146,7 +147,7 @@ class ServiceConfig:
 
     @property
     def kv_pages(self) -> int:
-        return -(-self.kv_tokens // self.page_tokens)
+        return pages_for(self.kv_tokens, self.page_tokens)
 
     @property
     def nats_servers(self) -> list[str]:
@@ -235,8 +236,9 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
         raise ConfigError("max_context", cfg.max_context, "must be >= 0")
     if cfg.torch_threads < 0:
         raise ConfigError("torch_threads", cfg.torch_threads, "must be >= 0")
-    for field in ("heartbeat_s", "worker_ttl_s", "queue_timeout_s", "reserve_timeout_s", "transfer_deadline_s",
-                  "ticket_ttl_s", "nats_connect_timeout_s", "request_timeout_s"):
+    for field in ("heartbeat_s", "worker_ttl_s", "queue_timeout_s", "reserve_timeout_s",
+                  "transfer_deadline_s", "ticket_ttl_s", "nats_connect_timeout_s",
+                  "request_timeout_s"):
         if not getattr(cfg, field) > 0:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")
     if "." in cfg.worker_id or "*" in cfg.worker_id or ">" in cfg.worker_id or " " in cfg.worker_id:

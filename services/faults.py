@@ -1,9 +1,15 @@
-"""Test-only fault injection for the running mesh. Off unless explicitly allowed.
+"""Test-only fault injection for a running mesh, wired in from outside the service code.
 
-A service honours per-request faults only when started with `PDMESH_FAULTS` containing
-`request_faults`, which the config accepts only with `PDMESH_ALLOW_FAULTS=1`. The gateway then
-reads the fault name from the `X-Pdmesh-Fault` header and carries it in `SubmitRequest.fault`;
-admission passes it on in `PrefillDispatch.fault`. A production mesh ignores the header.
+Off unless explicitly allowed: a service builds these pieces only when started with
+`PDMESH_FAULTS` containing `request_faults`, which the config accepts only with
+`PDMESH_ALLOW_FAULTS=1`. Nothing here is on a production code path: the services take an
+admission policy, a dispatch intake and a transport at construction, and `serve()` passes
+the fault-injecting ones below only for such a test mesh.
+
+The fault name travels as a NATS message header (`Pdmesh-Fault`), never as a field of a
+wire message: the gateway copies the `X-Pdmesh-Fault` HTTP header onto its submit,
+admission's fault policy copies it onto the dispatch, and prefill's fault intake reads it.
+Production services never read or forward it.
 
 Faults (name: what happens):
 - `bypass_admission`: admission skips its length checks (the workers' own gates must hold).
@@ -13,16 +19,36 @@ Faults (name: what happens):
   `commit_first` (the "done" arrives before the data), `truncate`, `reset`: data-plane
   faults on this request's KV frames.
 - `stall`: prefill pauses 0.5 s before its second frame (time to kill it mid-transfer).
-- `silent_prefill`: prefill fails without telling decode (decode's deadline is the backstop).
+- `silent_prefill`: prefill never hears of the request and tells nobody (decode's deadline
+  is the backstop).
 - `prefill_reject`: prefill's own gate refuses a request admission admitted (asymmetric
-  rejection: decode must free its lease at once, not after a transfer timeout).
+  rejection: decode must free its lease at once, not after a transfer timeout). Done by
+  handing prefill a dispatch whose reservation does not match the prompt's pages.
 """
 
 from __future__ import annotations
 
-from transports import FaultPlan
+import dataclasses
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-FAULT_HEADER = "X-Pdmesh-Fault"
+import msgspec
+
+from pdmesh.services import messages as m
+from pdmesh.services.admission.policy import Admitted, LivePolicy, Rejected, WorkerView
+from pdmesh.services.config import ServiceConfig
+from pdmesh.transports import (
+    FaultInjectingTransport,
+    FaultPlan,
+    KVTransport,
+    TransferAck,
+    TransferPlan,
+    make_transport,
+)
+
+FAULT_HEADER = "X-Pdmesh-Fault"  # HTTP header the gateway reads on a test mesh
+NATS_FAULT_HEADER = "Pdmesh-Fault"  # the same name carried on NATS messages
 REQUEST_FAULTS = "request_faults"
 
 DATA_PLANE = ("corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
@@ -30,6 +56,14 @@ DATA_PLANE = ("corrupt_payload", "corrupt_header", "drop_frame", "duplicate_fram
               "foreign_reservation")
 CONTROL = ("bypass_admission", "stub_transfer", "silent_prefill", "prefill_reject")
 ALL = DATA_PLANE + CONTROL
+
+
+def enabled(cfg: ServiceConfig) -> bool:
+    return REQUEST_FAULTS in cfg.fault_set
+
+
+def fault_of(headers: Mapping[str, str] | None) -> str:
+    return (headers or {}).get(NATS_FAULT_HEADER, "")
 
 
 def data_plane_plan(fault: str, num_pages: int, page_bytes: int) -> FaultPlan | None:
@@ -48,3 +82,107 @@ def data_plane_plan(fault: str, num_pages: int, page_bytes: int) -> FaultPlan | 
         "stall": FaultPlan(delay={1: 0.5}),
     }
     return plans.get(fault)
+
+
+# -- gateway --------------------------------------------------------------------------------
+def gateway_headers(cfg: ServiceConfig) -> Any:
+    """The gateway's submit-header function: on a test mesh it copies the HTTP fault header
+    onto the NATS submit; in production (`None`) it adds nothing."""
+    if not enabled(cfg):
+        return None
+
+    def headers(http_headers: Mapping[str, str]) -> dict[str, str] | None:
+        fault = http_headers.get(FAULT_HEADER, "")
+        return {NATS_FAULT_HEADER: fault} if fault else None
+
+    return headers
+
+
+# -- admission ------------------------------------------------------------------------------
+class FaultPolicy(LivePolicy):
+    """Admission on a test mesh: `bypass_admission` admits to the first live pair without
+    any check, and the fault header is forwarded to prefill on the dispatch."""
+
+    def decide(self, req: m.SubmitRequest, prefills: list[WorkerView],
+               decodes: list[WorkerView], headers: Mapping[str, str]) -> Admitted | Rejected:
+        if fault_of(headers) == "bypass_admission" and prefills and decodes:
+            return Admitted(prefill=prefills[0], decode=decodes[0])
+        return super().decide(req, prefills, decodes, headers)
+
+    def dispatch_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
+        fault = fault_of(headers)
+        return {NATS_FAULT_HEADER: fault} if fault else None
+
+
+def admission_policy(cfg: ServiceConfig) -> LivePolicy | None:
+    return FaultPolicy() if enabled(cfg) else None
+
+
+# -- prefill --------------------------------------------------------------------------------
+class FaultySender:
+    """A prefill transport on a test mesh: rewrites the plan of a transfer whose request
+    asked for a control fault (stub, stale epoch, foreign reservation) and arms the
+    frame-level FaultPlan of data-plane faults on the fault-injecting transport below it.
+    Everything else is the wrapped transport's."""
+
+    def __init__(self, inner: FaultInjectingTransport) -> None:
+        self.inner = inner
+        self.armed: dict[str, str] = {}  # reservation id -> fault name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def send(self, address: str, plan: TransferPlan,
+                   page_buffers: Sequence[memoryview]) -> TransferAck:
+        fault = self.armed.pop(plan.reservation_id, "")
+        buffers = list(page_buffers)
+        if fault == "stub_transfer":
+            # The incident: a "rejected" prompt replaced by a 1-token stub, handed off anyway.
+            plan = dataclasses.replace(plan, num_tokens=1, dest_page_ids=plan.dest_page_ids[:1])
+            buffers = buffers[:1]
+        elif fault == "stale_epoch":
+            plan = dataclasses.replace(plan, epoch=plan.epoch + 1)
+        elif fault == "foreign_reservation":
+            plan = dataclasses.replace(plan, reservation_id=str(uuid.uuid4()))
+        frame_faults = data_plane_plan(fault, len(buffers), plan.page_bytes)
+        if frame_faults is not None:
+            self.inner.arm(plan.reservation_id, frame_faults)
+        return await self.inner.send(address, plan, buffers)
+
+
+class FaultIntake:
+    """Prefill's dispatch intake on a test mesh (production: `accept_dispatch`)."""
+
+    def __init__(self, sender: FaultySender) -> None:
+        self.sender = sender
+
+    def __call__(self, d: m.PrefillDispatch,
+                 headers: Mapping[str, str] | None) -> m.PrefillDispatch | None:
+        fault = fault_of(headers)
+        if fault == "silent_prefill":
+            return None  # prefill never hears of it and tells nobody
+        if fault == "prefill_reject":
+            # Prefill's own gate refuses a reservation that does not match the prompt.
+            return msgspec.structs.replace(d, reservation=msgspec.structs.replace(
+                d.reservation, page_ids=[]))
+        if fault:
+            self.sender.armed[d.reservation.reservation_id] = fault
+        return d
+
+
+def accept_dispatch(d: m.PrefillDispatch,
+                    headers: Mapping[str, str] | None) -> m.PrefillDispatch | None:
+    """The production intake: every dispatch as it came (headers are not read)."""
+    return d
+
+
+def prefill_wiring(cfg: ServiceConfig) -> tuple[KVTransport | None, Any]:
+    """(transport, intake) for a prefill worker: (None: the worker builds its own, and
+    `accept_dispatch`), or on a test mesh the fault-injecting pair, its frame hook built
+    into the real transport at construction."""
+    if not enabled(cfg):
+        return None, accept_dispatch
+    inner = make_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port, faults=True)
+    assert isinstance(inner, FaultInjectingTransport)
+    sender = FaultySender(inner)
+    return sender, FaultIntake(sender)  # type: ignore[return-value]

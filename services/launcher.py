@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.errors import StartupError
-from services.topology import ServiceSpec, mesh_services
+from pdmesh.services.errors import StartupError
+from pdmesh.services.topology import ServiceSpec, mesh_services
 
 READY_TIMEOUT_S = 180.0  # the first `smollm2` start downloads and dequantizes the model
 STOP_GRACE_S = 10.0
@@ -111,7 +111,7 @@ class Launcher:
                                    colocated=self.colocated)
         for spec in self.specs:
             env = {**os.environ, **self.env, **spec.env, "PDMESH_NATS_URL": self.nats_url}
-            argv = [sys.executable, "-m", "pdmesh_cli", *spec.command]
+            argv = [sys.executable, "-m", "pdmesh.services.cli", *spec.command]
             self.children.append(await self._spawn(spec.name, argv, env))
         for spec in self.specs:
             await self._wait_http(f"http://127.0.0.1:{spec.http_port}/ready", spec.name,
@@ -192,7 +192,7 @@ class Launcher:
 
 def _http_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(url, timeout=1) as resp:
             return resp.status == 200
     except urllib.error.HTTPError:
         return False

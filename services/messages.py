@@ -57,34 +57,73 @@ class Role(enum.StrEnum):
     GATEWAY = "gateway"
 
 
-class RejectReason(enum.IntEnum):
-    """Why admission refused a request. Rejection is terminal and never a kind of finish."""
+class Code(enum.IntEnum):
+    """Why a request ended: the one reason vocabulary of the mesh.
 
-    CONTEXT_LENGTH_EXCEEDED = 1  # prompt + max_tokens > served context
-    PROMPT_EXCEEDS_PREFILL_POOL = 2  # prompt > largest live prefill pool
-    EXCEEDS_DECODE_POOL = 3  # prompt + max_tokens > largest live decode pool
-    NO_WORKERS = 4  # no live prefill or decode worker
-    SATURATED = 5  # workers live but none can hold it now
-    INVALID = 6  # empty prompt, bad lengths
+    Every terminal path carries one (in an `Outcome`): admission's rejections, the
+    finish of a generation, aborts and failures; the wire, the gateway's HTTP answers and
+    metric labels, and the pool's release causes all use these names (`Code.label`). The
+    hundreds say which terminal state a code belongs to (`Code.kind`)."""
+
+    # FINISHED: the generation ended well.
+    STOP = 100  # end-of-sequence token
+    LENGTH = 101  # max_tokens reached
+    # REJECTED: decided by admission before anything is allocated (never a kind of finish).
+    CONTEXT_LENGTH_EXCEEDED = 200  # prompt + max_tokens > served context
+    PROMPT_EXCEEDS_PREFILL_POOL = 201  # prompt > largest live prefill pool
+    EXCEEDS_DECODE_POOL = 202  # prompt + max_tokens > largest live decode pool
+    NO_WORKERS = 203  # no live prefill or decode worker
+    SATURATED = 204  # workers live but none can hold it now
+    INVALID = 205  # empty prompt, bad lengths
+    # ABORTED: someone stopped an admitted request.
+    ABORTED = 300  # client gone or explicit abort
+    PEER_RELEASED = 301  # the other side gave up first, or stopped heartbeating
+    # FAILED: an admitted request could not be served.
+    TICKET_INVALID = 400
+    RESERVE_FAILED = 401
+    PREFILL_REJECTED = 402
+    TRANSFER_FAILED = 403  # integrity check, peer lost, deadline
+    DEADLINE = 404
+    INTERNAL = 405
+    REFUSED = 406  # a worker's own capacity gate refuses the request outright (static)
+    INTERRUPTED = 407  # the gateway lost its control-plane connection mid-stream
+
+    @property
+    def kind(self) -> Kind:
+        return Kind(self.value // 100)
+
+    @property
+    def label(self) -> str:
+        """The name used in metric labels, release causes and logs."""
+        return self.name.lower()
 
 
-class FinishReason(enum.IntEnum):
-    STOP = 1  # end-of-sequence token
-    LENGTH = 2  # max_tokens reached
+class Kind(enum.IntEnum):
+    """The terminal state a `Code` leads to (lifecycle.RequestState has the same names)."""
+
+    FINISHED = 1
+    REJECTED = 2
+    ABORTED = 3
+    FAILED = 4
 
 
-class FailCode(enum.IntEnum):
-    """Why an admitted request ended without finishing (ABORTED / FAILED)."""
+class Outcome(msgspec.Struct, frozen=True, kw_only=True):
+    """How a request ended: a code from the one vocabulary and a human-readable detail."""
 
-    ABORTED = 1  # client gone or explicit abort
-    TICKET_INVALID = 2
-    RESERVE_FAILED = 3
-    PREFILL_REJECTED = 4
-    TRANSFER_FAILED = 5  # integrity check, peer lost, deadline
-    DEADLINE = 6
-    INTERNAL = 7
-    PEER_RELEASED = 8  # the other side gave up first
-    REFUSED = 9  # a worker's own capacity gate refuses the request outright (static)
+    code: Code
+    detail: str = ""
+
+    @property
+    def kind(self) -> Kind:
+        return self.code.kind
+
+    @property
+    def label(self) -> str:
+        return self.code.label
+
+
+FINISHED_STOP: Final = Outcome(code=Code.STOP)
+FINISHED_LENGTH: Final = Outcome(code=Code.LENGTH)
 
 
 # ---------------------------------------------------------------------------------------
@@ -105,9 +144,6 @@ class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     prompt_ids: list[int]
     max_tokens: int
     sampling: Sampling = Sampling()
-    # Test-only fault to inject for this request (see services/faults.py); honoured only
-    # by services started with PDMESH_FAULTS=request_faults, which needs PDMESH_ALLOW_FAULTS=1.
-    fault: str = ""
 
 
 class AdmittedTicket(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,20 +161,38 @@ class AdmittedTicket(msgspec.Struct, frozen=True, kw_only=True):
     signature: str = ""
 
 
-class Rejection(msgspec.Struct, frozen=True, kw_only=True):
-    reason: RejectReason
-    message: str
+class Admitted(msgspec.Struct, frozen=True, kw_only=True, tag="admitted"):
+    """Admission -> gateway: the request holds a decode reservation and was dispatched."""
+
+    request_id: str
+    decode_worker: str
+    prefill_worker: str
+
+
+class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
+    """Admission -> gateway: refused before anything was allocated (terminal, I1)."""
+
+    request_id: str
+    outcome: Outcome  # a REJECTED-kind code
     prompt_len: int = 0
     max_tokens: int = 0
     limit: int = 0
 
 
-class SubmitReply(msgspec.Struct, frozen=True, kw_only=True, tag="submit_reply"):
-    request_id: str
-    admitted: bool
-    rejection: Rejection | None = None
-    decode_worker: str = ""
-    prefill_worker: str = ""
+SubmitReply = Admitted | Rejected
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """A decode lease as the data plane sees it: decode's reserve reply carries it to
+    admission, the dispatch carries it to prefill, which turns it into its transfer plan.
+    `reservation_id` is the lease's id (one name on the wire, `Lease.lease_id` in the pool)."""
+
+    reservation_id: str
+    epoch: int
+    page_ids: list[int]
+    page_tokens: int
+    page_bytes: int
+    data_address: str
 
 
 class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, tag="reserve"):
@@ -146,30 +200,27 @@ class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, tag="reserve"):
     sampling: Sampling = Sampling()
 
 
-class ReserveReply(msgspec.Struct, frozen=True, kw_only=True, tag="reserve_reply"):
-    ok: bool
+class Reserved(msgspec.Struct, frozen=True, kw_only=True, tag="reserved"):
     request_id: str
-    reservation_id: str = ""
-    epoch: int = 0
-    page_ids: list[int] = []
-    page_tokens: int = 0
-    page_bytes: int = 0
-    data_address: str = ""
-    error: str = ""
-    code: int = 0
+    reservation: Reservation
+
+
+class ReserveRefused(msgspec.Struct, frozen=True, kw_only=True, tag="reserve_refused"):
+    """Decode could not reserve. `outcome.code` REFUSED is final (its static capacity gate);
+    any other code (pool full now, duplicate id, bad ticket) may succeed elsewhere/later."""
+
+    request_id: str
+    outcome: Outcome
+
+
+ReserveReply = Reserved | ReserveRefused
 
 
 class PrefillDispatch(msgspec.Struct, frozen=True, kw_only=True, tag="dispatch"):
     ticket: AdmittedTicket
     prompt_ids: list[int]
     sampling: Sampling
-    reservation_id: str
-    epoch: int
-    page_ids: list[int]
-    page_tokens: int
-    page_bytes: int
-    data_address: str
-    fault: str = ""  # test-only, see SubmitRequest.fault
+    reservation: Reservation
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
@@ -177,34 +228,56 @@ class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
 
     request_id: str
     reservation_id: str
-    code: FailCode
-    detail: str = ""
+    outcome: Outcome
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
     """Broadcast: every worker holding anything for `request_id` frees it."""
 
     request_id: str
-    code: FailCode = FailCode.ABORTED
-    detail: str = ""
+    outcome: Outcome = Outcome(code=Code.ABORTED)
 
 
+# ---------------------------------------------------------------------------------------
+# The token stream of one request (tokens_subject(request_id)): a tagged union
+# ---------------------------------------------------------------------------------------
 class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
-    """Decode (or a failing worker) -> gateway on tokens_subject(request_id).
-
-    `finish` set means the stream is over; `fail_code` set means it failed. `seq` -1 marks
-    an info event from prefill (only `cached_tokens` set) that neither carries tokens nor
-    ends the stream.
-    """
+    """Decode -> gateway: tokens in `seq` order; `finish` (a FINISHED-kind outcome) set on
+    the last one."""
 
     request_id: str
     seq: int
     token_ids: list[int] = []
-    finish: FinishReason | None = None
-    fail_code: FailCode | None = None
-    detail: str = ""
+    finish: Outcome | None = None
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+
+
+class StreamFailed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
+    """A worker ended an admitted request without finishing it (ABORTED/FAILED kind)."""
+
+    request_id: str
+    outcome: Outcome
+
+
+class PrefixCacheInfo(msgspec.Struct, frozen=True, kw_only=True, tag="prefix_cache"):
+    """Prefill -> gateway, before the KV goes out: how much of the prompt the prefix cache
+    served (usage.prompt_tokens_details.cached_tokens). Neither carries tokens nor ends."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class StreamInterrupted(msgspec.Struct, frozen=True, kw_only=True, tag="interrupted"):
+    """Made by the gateway itself (never sent): its NATS connection was interrupted, so
+    events of this stream may be lost (NATS core is at-most-once)."""
+
+    request_id: str
+    detail: str
+
+
+StreamEvent = TokenEvent | StreamFailed | PrefixCacheInfo
+LocalStreamEvent = StreamEvent | StreamInterrupted
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,7 +291,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
     http_address: str = ""
     # Live figures read off the real pool, never from configuration (I5).
     pool_capacity_tokens: int = 0
-    free_tokens: int = 0
+    available_tokens: int = 0  # tokens a new lease could take now (free + evictable)
     page_tokens: int = 0
     configured_context: int = 0
     served_context: int = 0  # clamped when the pool is smaller than configured
@@ -254,19 +327,6 @@ class StatsReply(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
     pid: int = 0
     cached_pages: int = 0  # prefix-cache pages (free + leased + cached == total)
 
-
-ControlMessage = (
-    SubmitRequest
-    | SubmitReply
-    | ReserveRequest
-    | ReserveReply
-    | PrefillDispatch
-    | Release
-    | Abort
-    | TokenEvent
-    | Heartbeat
-    | StatsReply
-)
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -25,12 +25,17 @@ import nats
 from aiohttp import web
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 
-from services import messages as m
-from services.config import DEV_MESH_SECRET, ServiceConfig
-from services.errors import StartupError
+from pdmesh.services import messages as m
+from pdmesh.services.config import DEV_MESH_SECRET, ServiceConfig
+from pdmesh.services.errors import StartupError
 
 log = logging.getLogger("pdmesh.runtime")
 DRAIN_TIMEOUT_S = 3.0  # flushing NATS on shutdown; a dead server must not hold us longer
@@ -102,7 +107,7 @@ class ServiceRuntime:
         except OSError as exc:
             raise StartupError(self.role, f"HTTP port {self.cfg.http_host}:{self.cfg.http_port}",
                                exc.strerror or str(exc)) from None
-        sockets = site._server.sockets if site._server else []  # noqa: SLF001 - real bound port
+        sockets = site._server.sockets if site._server else []
         if sockets:
             self.http_port = sockets[0].getsockname()[1]
 
@@ -154,7 +159,7 @@ class ServiceRuntime:
         for hook in list(self._reconnect_hooks):
             try:
                 hook()
-            except Exception:  # noqa: BLE001 - one hook must not stop the others
+            except Exception:
                 log.exception("%s: reconnect hook failed", self.role)
 
     def on_reconnect(self, hook: Callable[[], None]) -> None:
@@ -192,7 +197,7 @@ class ServiceRuntime:
                     await fn()
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001 - a periodic job must survive one failure
+                except Exception:
                     log.exception("%s: periodic %s failed", self.role, name)
                 await asyncio.sleep(interval_s)
 
@@ -228,7 +233,7 @@ class ServiceRuntime:
             await handler(obj, msg)
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - one bad request must not take the service down
+        except Exception:
             self.handler_errors.labels(self.role, subject).inc()
             log.exception("%s: handler for %s failed", self.role, msg.subject)
 
@@ -244,14 +249,17 @@ class ServiceRuntime:
             self._subs.append(await self.nc.subscribe(m.stats_subject(role, self.worker_id),
                                                       cb=on_msg))
 
-    async def publish(self, subject: str, msg: msgspec.Struct) -> None:
-        await self.nc.publish(subject, m.encode(msg))
+    async def publish(self, subject: str, msg: msgspec.Struct,
+                      headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, m.encode(msg), headers=headers)
 
-    async def request(self, subject: str, msg: msgspec.Struct, typ: type[T],
-                      timeout_s: float) -> T:
-        """NATS request/reply with a typed answer; raises TimeoutError / MessageError."""
+    async def request(self, subject: str, msg: msgspec.Struct, typ: Any,
+                      timeout_s: float, headers: dict[str, str] | None = None) -> Any:
+        """NATS request/reply with a typed answer (`typ` may be a tagged union); raises
+        TimeoutError / MessageError."""
         try:
-            reply = await self.nc.request(subject, m.encode(msg), timeout=timeout_s)
+            reply = await self.nc.request(subject, m.encode(msg), timeout=timeout_s,
+                                          headers=headers)
         except nats.errors.NoRespondersError:
             raise TimeoutError(f"no responders on {subject}") from None
         except nats.errors.TimeoutError:

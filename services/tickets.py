@@ -15,8 +15,8 @@ import time
 
 import msgspec
 
-from services import messages as m
-from services.errors import TicketError
+from pdmesh.services import messages as m
+from pdmesh.services.errors import TicketError
 
 
 def _mac(secret: str, ticket: m.AdmittedTicket) -> str:

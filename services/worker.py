@@ -20,19 +20,23 @@ from typing import Any, TypeVar
 import torch
 from prometheus_client import Counter, Gauge
 
-from kvstore import KVPool, ScrubPolicy
-from services import messages as m
-from services.config import ServiceConfig
-from services.engine.models import load_model
-from services.engine.runner import Engine, make_pool
-from services.capacity import audit_capacity
-from services.errors import StartupError
-from services.runtime import ServiceRuntime, counter_total, run_service
-from services.tickets import TicketVerifier
-from transports import KVTransport, make_transport
+from pdmesh.kvstore import KVPool, ScrubPolicy
+from pdmesh.services import messages as m
+from pdmesh.services.capacity import audit_capacity
+from pdmesh.services.config import ServiceConfig
+from pdmesh.services.engine.models import load_model
+from pdmesh.services.engine.runner import Engine, make_pool
+from pdmesh.services.errors import StartupError
+from pdmesh.services.runtime import ServiceRuntime, counter_total, run_service
+from pdmesh.services.tickets import TicketVerifier
+from pdmesh.transports import KVTransport, make_transport
 
 log = logging.getLogger("pdmesh.worker")
 T = TypeVar("T")
+
+
+def make_worker_transport(cfg: ServiceConfig) -> KVTransport:
+    return make_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port)
 
 
 class WorkerBase:
@@ -42,7 +46,7 @@ class WorkerBase:
     # Roles announced in heartbeats; a colocated worker announces prefill and decode.
     advertised_roles: tuple[m.Role, ...] = ()
 
-    def __init__(self, cfg: ServiceConfig) -> None:
+    def __init__(self, cfg: ServiceConfig, transport: KVTransport | None = None) -> None:
         self.cfg = cfg
         if cfg.torch_threads:
             # Workers sharing a host should split its cores: oversubscribed torch threads
@@ -51,15 +55,15 @@ class WorkerBase:
         self.rt = ServiceRuntime(cfg)
         self.model = load_model(cfg.model)
         self.pool: KVPool = make_pool(self.model, num_pages=cfg.kv_pages,
-                                      page_size=cfg.page_tokens,
+                                      page_tokens=cfg.page_tokens,
                                       scrub=ScrubPolicy[cfg.scrub.upper()])
         self.engine = Engine(self.model, self.pool)
         self.configured_context = cfg.max_context or self.model.config.max_context
         self.served_context, self.mismatch = audit_capacity(
             self.configured_context, self.pool.capacity_tokens, cfg.on_capacity_mismatch,
             cfg.role)
-        self.transport: KVTransport = make_transport(cfg.transport, host=cfg.data_host,
-                                                     port=cfg.data_port)
+        # Injected by tests and by the fault wiring of a test mesh (services/faults.py).
+        self.transport: KVTransport = transport or make_worker_transport(cfg)
         self.data_address = ""
         self.verifier = TicketVerifier(cfg.mesh_secret, cfg.worker_id, self.role)
         # One thread runs the engine so torch work never blocks the event loop and engine
@@ -133,14 +137,14 @@ class WorkerBase:
             data_address=self.data_address,
             http_address=f"http://{self.cfg.http_host}:{self.rt.http_port}",
             # Unpinned cached pages count as free: an allocation evicts them on demand.
-            pool_capacity_tokens=pool.capacity_tokens, free_tokens=pool.available_tokens,
-            page_tokens=pool.spec.page_size, configured_context=self.configured_context,
+            pool_capacity_tokens=pool.capacity_tokens, available_tokens=pool.available_tokens,
+            page_tokens=pool.spec.page_tokens, configured_context=self.configured_context,
             served_context=self.served_context, capacity_mismatch=self.mismatch,
             queue_depth=self.queue_depth(), active_requests=self.active_requests(),
             ready=not draining, draining=draining, sent_at=time.time(),
             prefix_hashes=cache.summary(summary_limit) if cache else [],
             prefix_align_tokens=cache.align_tokens if cache else 0,
-            prefix_cached_tokens=cache.num_pages * pool.spec.page_size if cache else 0))
+            prefix_cached_tokens=cache.num_pages * pool.spec.page_tokens if cache else 0))
 
     def counters(self) -> dict[str, float]:
         return {}

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.launcher import free_port, nats_server_binary
+from pdmesh.services.launcher import free_port, nats_server_binary
 
 REPO = Path(__file__).resolve().parents[1]
 DEV_KEYS = {"alice": "sk-dev-alice", "bob": "sk-dev-bob", "carol": "sk-dev-carol"}
@@ -90,7 +90,7 @@ class Mesh:
         for k, v in (headers or {}).items():
             req.add_header(k, v)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as exc:
             payload = exc.read()
@@ -116,7 +116,7 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
              ready_timeout: float = 120) -> Iterator[Mesh]:
     """Run `pdmesh up <args>` (tiny model) and yield once the gateway is ready."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pdmesh_cli", "up", "--model", "tiny", "--gateway-port",
+    cmd = [sys.executable, "-m", "pdmesh.services.cli", "up", "--model", "tiny", "--gateway-port",
            str(port), *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env or mesh_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)

@@ -2,28 +2,43 @@
 
     transport = make_transport("tcp")          # or "ucx"
     address = await transport.start()           # advertise this in heartbeats
+
+Tests and test meshes that inject data-plane faults build the transport with
+`make_transport(kind, faults=True)`: a `FaultInjectingTransport` (faults.py) around it,
+with `arm(reservation_id, FaultPlan(...))` for the next send of that reservation.
 """
 
 from __future__ import annotations
 
 from .base import (
-    POISON_BYTE, ExpectedTransfer, KVTransport, TransferAck, TransferPlan, TransferResult,
+    POISON_BYTE,
+    ExpectedTransfer,
+    KVTransport,
+    TransferAck,
+    TransferPlan,
+    TransferResult,
     TransportStats,
 )
 from .errors import FrameError, Reason, TransferError
-from .faults import FaultPlan
+from .faults import FaultInjectingTransport, FaultPlan
+from .tcp import TcpTransport
 
 KINDS = ("tcp", "ucx")
 
 
-def make_transport(kind: str, host: str = "127.0.0.1", port: int = 0, **options) -> KVTransport:
+def make_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *,
+                   faults: bool = False, **options) -> KVTransport:
     """Build a transport by kind (`tcp` or `ucx`). Options go to the constructor
-    (progress_timeout_s, on_event, faults)."""
+    (progress_timeout_s, on_event). With `faults=True` (tests and test meshes only) the
+    transport comes wrapped in a `FaultInjectingTransport`."""
+    if faults:
+        return FaultInjectingTransport(
+            lambda frame_filter: make_transport(kind, host, port, frame_filter=frame_filter,
+                                                **options))
     if kind == "tcp":
-        from .tcp import TcpTransport
-
         return TcpTransport(host, port, **options)
     if kind == "ucx":
+        # Lazy: ucxx (and its CUDA-stack libraries) loads only where a UCX transport is used.
         from .ucx import UcxTransport, ucx_import_error
 
         if ucx_import_error is not None:
@@ -36,7 +51,7 @@ def make_transport(kind: str, host: str = "127.0.0.1", port: int = 0, **options)
 
 
 __all__ = [
-    "KINDS", "POISON_BYTE", "ExpectedTransfer", "FaultPlan", "FrameError", "KVTransport",
-    "Reason", "TransferAck", "TransferError", "TransferPlan", "TransferResult",
-    "TransportStats", "make_transport",
+    "KINDS", "POISON_BYTE", "ExpectedTransfer", "FaultInjectingTransport", "FaultPlan",
+    "FrameError", "KVTransport", "Reason", "TransferAck", "TransferError", "TransferPlan",
+    "TransferResult", "TransportStats", "make_transport",
 ]

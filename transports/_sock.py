@@ -4,7 +4,8 @@ This is what `loop.sock_recv_into` / `loop.sock_sendall` do, kept explicit for t
 reasons: the receive path re-checks, synchronously right before every `recv_into`, whether
 the destination is still live (so `fence()` needs no cancellation of a pending read that
 holds the page's view), and the send path uses `sendmsg` to put a header and its page (or
-several) in one syscall without copying them together.
+several) in one syscall without copying them together. `progress_s` bounds each wait for
+the socket: no progress for that long raises `StalledError` (None waits for ever).
 """
 
 from __future__ import annotations
@@ -31,25 +32,25 @@ class RawSocket:
         self._wlock = asyncio.Lock()
         self.closed = False
 
-    async def _wait(self, add, remove, timeout: float | None) -> None:
+    async def _wait(self, add, remove, progress_s: float | None) -> None:
         fut = self.loop.create_future()
         add(self.fd, _wake, fut)
         try:
-            if timeout is None:
+            if progress_s is None:
                 await fut
             else:
                 try:
-                    async with asyncio.timeout(timeout):
+                    async with asyncio.timeout(progress_s):
                         await fut
                 except TimeoutError:
-                    raise StalledError(f"no progress for {timeout}s") from None
+                    raise StalledError(f"no progress for {progress_s}s") from None
         finally:
             remove(self.fd)
 
-    async def wait_readable(self, timeout: float | None) -> None:
-        await self._wait(self.loop.add_reader, self.loop.remove_reader, timeout)
+    async def wait_readable(self, progress_s: float | None) -> None:
+        await self._wait(self.loop.add_reader, self.loop.remove_reader, progress_s)
 
-    async def recv_exact(self, view: memoryview, timeout: float | None,
+    async def recv_exact(self, view: memoryview, progress_s: float | None,
                          eof_ok: bool = False) -> bool:
         """Fill `view`. Returns False on a clean EOF before the first byte when eof_ok."""
         pos, total = 0, view.nbytes
@@ -57,7 +58,7 @@ class RawSocket:
             try:
                 n = self.sock.recv_into(view[pos:])
             except (BlockingIOError, InterruptedError):
-                await self.wait_readable(timeout)
+                await self.wait_readable(progress_s)
                 continue
             if n == 0:
                 if pos == 0 and eof_ok:
@@ -66,7 +67,8 @@ class RawSocket:
             pos += n
         return True
 
-    async def send_all(self, buffers: Iterable[bytes | memoryview], timeout: float | None) -> int:
+    async def send_all(self, buffers: Iterable[bytes | memoryview],
+                       progress_s: float | None) -> int:
         """Send every buffer in order (sendmsg, partial sends resumed). Returns bytes sent."""
         pending = collections.deque(memoryview(b) for b in buffers)
         sent = 0
@@ -75,7 +77,7 @@ class RawSocket:
                 try:
                     n = self.sock.sendmsg(list(_take(pending, _IOV_BATCH)))
                 except (BlockingIOError, InterruptedError):
-                    await self._wait(self.loop.add_writer, self.loop.remove_writer, timeout)
+                    await self._wait(self.loop.add_writer, self.loop.remove_writer, progress_s)
                     continue
                 sent += n
                 while n:

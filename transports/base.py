@@ -17,8 +17,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from pdmesh.kvstore.spec import pages_for
+
 from .errors import Reason, TransferError
-from .framing import pages_needed
 
 POISON_BYTE = 0xFF  # all-ones is NaN in fp32/fp16/bf16: a stray read of a poisoned page shows
 
@@ -43,7 +44,7 @@ class ExpectedTransfer:
 
     @property
     def num_pages(self) -> int:
-        return pages_needed(self.num_tokens, self.page_tokens)
+        return pages_for(self.num_tokens, self.page_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ class TransferPlan:
 
     @property
     def num_pages(self) -> int:
-        return pages_needed(self.num_tokens, self.page_tokens)
+        return pages_for(self.num_tokens, self.page_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

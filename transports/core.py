@@ -1,28 +1,105 @@
-"""What the TCP and UCX transports share: addresses, frame building, and the parts of the
-`KVTransport` contract that do not depend on the wire (task ownership, the receive table,
-the sender's deadline/events/stats around one transfer, the close sequence).
+"""What the TCP and UCX transports share: addresses, frame building, and every part of the
+`KVTransport` contract that does not depend on the wire.
 
-A concrete transport supplies `start()`, `_deliver()` (send the frames of one transfer on a
-connection and return when the receiver acked) and `_close_links()`.
+- receiver: the loop that serves one inbound link (header checks against the
+  `ReceiveTable`, payload into the page or drained, ACK/NACK replies), posting NACKs;
+- sender: the deadline/events/stats around one transfer, checking out a pooled link,
+  reading the receiver's reply (ACK or NACK) and returning the link to the idle pool;
+- lifecycle: task ownership and the close sequence.
+
+A *link* is one connection: a `RawSocket` for TCP, a UCX endpoint for UCX. A concrete
+transport supplies `start()` and the wire operations on a link:
+
+    _open(address, rid)              connect (TransferError PEER_LOST / INVALID_PLAN)
+    _reusable(link), _discard(link)  an idle link still usable? close / abort one
+    _recv_header(link, progress_s)   80 header bytes, None on a clean end of stream
+    _recv_bytes(link, n, progress_s) exactly n bytes (reply headers and NACK details)
+    _drain(link, n), _recv_page(link, slot, header)   a DATA payload: scratch / the page
+    _send_reply(link, frame)         an ACK or NACK frame (header + detail)
+    _send_frame(link, frame)         one DATA or COMMIT frame
+    _cut(link, cut)                  end the stream inside a frame (frame hook only)
+
+and may override `_stream()`, the fault-free way to send a transfer's frames (TCP batches
+them into few `sendmsg` calls); `_lost` names the exceptions that mean a lost peer.
+`progress_s` bounds one wait for the peer (None: no bound, an idle link).
+
+Frame hook: a transport built with `frame_filter` (only `FaultInjectingTransport` in
+faults.py passes one) asks it once per send; when it answers with a function, that
+function gets the transfer's frames and returns what to emit instead: frames, `Delay`s
+and at most one final `Cut`.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import dataclasses
+import itertools
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from .base import (
-    EventCallback, ExpectedTransfer, TransferAck, TransferPlan, TransferResult, TransportStats,
+    EventCallback,
+    ExpectedTransfer,
+    TransferAck,
+    TransferPlan,
+    TransferResult,
+    TransportStats,
     validate_plan,
 )
-from .errors import Reason, TransferError
-from .faults import FaultPlan, Frame
+from .errors import FrameError, Reason, TransferError
 from .framing import (
-    Kind, checksum, commit_digest, encode_header, reservation_bytes, tokens_in_page,
+    HEADER_SIZE,
+    FrameHeader,
+    Kind,
+    checksum,
+    commit_digest,
+    decode_header,
+    encode_header,
+    reservation_bytes,
+    tokens_in_page,
 )
-from .receiver import ReceiveTable
+from .receiver import ReceiveTable, Slot, nack_frame
+
+_T = TypeVar("_T")
+_NO_RESERVATION = bytes(16)
+
+
+@dataclasses.dataclass(slots=True)
+class Frame:
+    """One frame as the sender emits it; `index` counts a transfer's frames from 0 (DATA
+    for page 0..n-1, then the COMMIT)."""
+
+    index: int
+    header: bytes
+    payload: memoryview | bytes
+
+
+@dataclasses.dataclass(slots=True)
+class Delay:
+    """Frame hook: sleep this long before the next item."""
+
+    seconds: float
+
+
+@dataclasses.dataclass(slots=True)
+class Cut:
+    """Frame hook: end the stream inside a frame. The sender sends the buffers in `whole`,
+    then the bytes in `partial` (the head of the next buffer), closes the link (abortively
+    when `reset`) and fails the send as PEER_LOST. A UCX message cannot be cut: UCX sends
+    `whole` and aborts the endpoint."""
+
+    whole: tuple[bytes | memoryview, ...]
+    partial: memoryview
+    reset: bool
+
+
+SendItem = Frame | Delay | Cut
+# frame_filter(plan) -> None (send as usual) or a function from the transfer's frames to
+# the items to emit instead.
+FrameFilter = Callable[[TransferPlan], Callable[[list[Frame]], Iterable[SendItem]] | None]
 
 
 def parse_address(address: str, scheme: str) -> tuple[str, int]:
@@ -59,29 +136,41 @@ def reason_of(code: int) -> Reason:
         return Reason.BAD_HEADER
 
 
-class TransportCore:
+async def timed(awaitable: Awaitable[_T], seconds: float | None) -> _T:
+    """Await for at most `seconds` (then TimeoutError); None waits for ever."""
+    if seconds is None:
+        return await awaitable
+    async with asyncio.timeout(seconds):
+        return await awaitable
+
+
+class TransportCore(abc.ABC):
     """Shared state and behaviour of the transports (see the module docstring)."""
 
     scheme = ""
     # TCP streams frames as they are built (checksums overlap the sends); UCX needs them all.
     lazy_frames = False
+    # What a lost peer looks like on this wire (TimeoutError is an OSError).
+    _lost: tuple[type[BaseException], ...] = (OSError, EOFError)
 
     def __init__(self, host: str, port: int, *, progress_timeout_s: float,
-                 on_event: EventCallback | None, faults: FaultPlan | None) -> None:
+                 on_event: EventCallback | None, frame_filter: FrameFilter | None) -> None:
         self.host, self.port = host, port
         self.progress_timeout_s = progress_timeout_s
-        self.faults = faults  # test-only: applied to every send of this transport
         self.stats = TransportStats()
         self._on_event = on_event
+        self._frame_filter = frame_filter
         self._table = ReceiveTable(self.stats, on_event)
         self._table.nack_sink = self._post_nack
-        self._listener = None
+        self._listener: Any = None
         self._tasks: set[asyncio.Task] = set()
-        self._idle: dict[str, list] = {}
+        self._links: dict[int, Any] = {}  # inbound links being served, by connection id
+        self._link_ids = itertools.count()
+        self._idle: dict[str, list] = {}  # outbound links that may be reused, by address
         self._closed = False
         self.address = ""
 
-    def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
+    def _spawn(self, coro: Awaitable[_T]) -> asyncio.Task[_T]:
         """An owned task: kept until done, cancelled and awaited by close()."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -101,25 +190,79 @@ class TransportCore:
     async def fence(self, reservation_id: str) -> None:
         await self._table.fence(reservation_id)
 
+    async def _serve_link(self, link: Any) -> None:
+        """Serve one inbound link until it ends: every header is checked against the live
+        expectation before any payload byte is read; rejections are answered with a NACK."""
+        conn_id = next(self._link_ids)
+        self._links[conn_id] = link
+        progress = self.progress_timeout_s
+        reason, detail = Reason.PEER_LOST, "peer closed the connection"
+        try:
+            while True:
+                idle = not self._table.bound_to(conn_id)
+                header = await self._recv_header(link, None if idle else progress)
+                if header is None:
+                    break
+                try:
+                    h = decode_header(header)
+                except FrameError as exc:
+                    reason, detail = Reason.BAD_HEADER, exc.detail
+                    self.stats.frames_rejected[reason] += 1
+                    await self._send_reply(link, nack_frame(_NO_RESERVATION, 0, reason, detail))
+                    break
+                if h.kind is Kind.DATA:
+                    slot, nack = self._table.check_data(h, conn_id)
+                    if slot is None:
+                        await self._drain(link, h.payload_len)
+                    else:
+                        await self._recv_page(link, slot, h)
+                        nack = self._table.data_done(slot, h)
+                    if nack is not None:
+                        await self._send_reply(link, nack)
+                elif h.kind is Kind.COMMIT:
+                    await self._send_reply(link, self._table.check_commit(h, conn_id))
+                else:
+                    reason, detail = Reason.BAD_HEADER, f"{h.kind.name} frame sent to a receiver"
+                    break
+        except self._lost as exc:
+            reason, detail = Reason.PEER_LOST, f"{type(exc).__name__}: {exc}"
+        finally:
+            self._table.conn_lost(conn_id, reason, detail)
+            self._links.pop(conn_id, None)
+            self._discard(link)
+
     def _post_nack(self, conn_id: int, frame: bytes) -> None:
-        raise NotImplementedError
+        """The receive table failed a live transfer (fence, deadline): tell its sender."""
+        link = self._links.get(conn_id)
+        if link is not None:
+            self._spawn(self._send_quietly(link, frame))
+
+    async def _send_quietly(self, link: Any, frame: bytes) -> None:
+        try:
+            await self._send_reply(link, frame)
+        except self._lost:
+            pass  # the reader of that link reports the loss
 
     # -- sender ------------------------------------------------------------------------
     async def send(self, address: str, plan: TransferPlan,
                    page_buffers: Sequence[memoryview]) -> TransferAck:
         views = validate_plan(plan, page_buffers)
         rid = plan.reservation_id
+        schedule = self._frame_filter(plan) if self._frame_filter is not None else None
         try:
             key = reservation_bytes(rid)
-            frames = build_frames(plan, key, views)
-            if self.faults is not None or not self.lazy_frames:
-                frames = list(frames)
+            built = build_frames(plan, key, views)
+            if schedule is not None:
+                frames: Iterable[SendItem] = list(schedule(list(built)))
+            else:
+                frames = built if self.lazy_frames else list(built)
         except (ValueError, struct.error) as exc:
             raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
+        emit = self._stream if schedule is None else self._emit
         started = time.perf_counter()
         try:
             async with asyncio.timeout(plan.deadline_s):
-                await self._deliver(address, plan, key, frames)
+                await self._deliver(address, plan, key, frames, emit)
         except TimeoutError:
             self._event("send_failed", rid, Reason.DEADLINE)
             raise TransferError(rid, Reason.DEADLINE,
@@ -132,13 +275,85 @@ class TransportCore:
         return TransferAck(rid, plan.epoch, plan.num_tokens, plan.num_pages * plan.page_bytes,
                            time.perf_counter() - started)
 
-    async def _deliver(self, address: str, plan: TransferPlan, key: bytes, frames) -> None:
-        raise NotImplementedError
+    async def _deliver(self, address: str, plan: TransferPlan, key: bytes, frames,
+                       emit) -> None:
+        """Send the frames on a pooled or new link and wait for the receiver's reply: an
+        ACK that names this reservation and its token count, or a NACK with the reason."""
+        rid = plan.reservation_id
+        link = await self._checkout(address, rid)
+        reply = self._spawn(self._read_reply(link))
+        reusable = False
+        try:
+            try:
+                await emit(link, frames, reply)
+                h, detail = await timed(asyncio.shield(reply), self.progress_timeout_s)
+            except self._lost as exc:
+                # Prefer the receiver's own verdict if it arrived just before the loss.
+                await asyncio.wait({reply}, timeout=0.05)
+                if not reply.done() or reply.cancelled() or reply.exception() is not None:
+                    raise TransferError(rid, Reason.PEER_LOST,
+                                        f"{type(exc).__name__}: {exc}") from None
+                h, detail = reply.result()
+            if h.kind is Kind.ACK and h.reservation == key and h.token_count == plan.num_tokens:
+                reusable = True
+                return
+            if h.kind is Kind.NACK:
+                raise TransferError(rid, reason_of(h.aux), detail)
+            raise TransferError(rid, Reason.BAD_HEADER, f"unexpected reply {h.kind.name}")
+        finally:
+            reply.cancel()
+            await asyncio.gather(reply, return_exceptions=True)
+            if reusable and not self._closed:
+                self._idle.setdefault(address, []).append(link)
+            else:
+                self._discard(link)
+
+    async def _checkout(self, address: str, rid: str) -> Any:
+        """An idle link to `address` that still looks usable, else a new one."""
+        idle = self._idle.get(address, [])
+        while idle:
+            link = idle.pop()
+            if self._reusable(link):
+                return link
+            self._discard(link)
+        return await self._open(address, rid)
+
+    async def _read_reply(self, link: Any) -> tuple[FrameHeader, str]:
+        header = await self._recv_bytes(link, HEADER_SIZE, None)
+        try:
+            h = decode_header(header)
+        except FrameError as exc:
+            raise EOFError(f"malformed reply: {exc.detail}") from None
+        detail = b""
+        if h.payload_len:
+            detail = await self._recv_bytes(link, h.payload_len, self.progress_timeout_s)
+        return h, detail.decode(errors="replace")
+
+    async def _stream(self, link: Any, frames: Iterable[Frame], reply: asyncio.Task) -> None:
+        """Send a transfer's frames (no frame hook); by default one frame at a time."""
+        await self._emit(link, frames, reply)
+
+    async def _emit(self, link: Any, items: Iterable[SendItem], reply: asyncio.Task) -> None:
+        """Send items in order, stopping once the receiver answered (a NACK)."""
+        for item in items:
+            if isinstance(item, Delay):
+                await asyncio.sleep(item.seconds)
+                continue
+            if reply.done():
+                return
+            if isinstance(item, Cut):
+                await self._cut(link, item)
+                raise ConnectionResetError("fault injected: stream cut")
+            await self._send_frame(link, item)
 
     # -- lifecycle ---------------------------------------------------------------------
+    @abc.abstractmethod
+    async def start(self) -> str:
+        """Listen; return the advertised address (see `KVTransport.start`)."""
+
     async def close(self) -> None:
         """Idempotent: fail live expectations, stop listening, cancel and await every
-        task, then close every connection."""
+        task, then close every link."""
         if self._closed:
             return
         self._closed = True
@@ -149,8 +364,50 @@ class TransportCore:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._close_links()
+        for links in self._idle.values():
+            for link in links:
+                self._discard(link)
+        for link in list(self._links.values()):
+            self._discard(link)
         self._idle.clear()
 
-    def _close_links(self) -> None:
-        raise NotImplementedError
+    # -- the wire (supplied by each transport) -----------------------------------------
+    @abc.abstractmethod
+    async def _open(self, address: str, rid: str) -> Any:
+        ...
+
+    @abc.abstractmethod
+    def _reusable(self, link: Any) -> bool:
+        ...
+
+    @abc.abstractmethod
+    def _discard(self, link: Any) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def _recv_header(self, link: Any, progress_s: float | None) -> bytes | None:
+        ...
+
+    @abc.abstractmethod
+    async def _recv_bytes(self, link: Any, n: int, progress_s: float | None) -> bytes:
+        ...
+
+    @abc.abstractmethod
+    async def _drain(self, link: Any, length: int) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def _recv_page(self, link: Any, slot: Slot, h: FrameHeader) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def _send_reply(self, link: Any, frame: bytes) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def _send_frame(self, link: Any, frame: Frame) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def _cut(self, link: Any, cut: Cut) -> None:
+        ...

@@ -26,12 +26,11 @@ class Reason(enum.IntEnum):
 
 
 class FrameError(ValueError):
-    """A frame header is malformed. `reason` is always Reason.BAD_HEADER or LENGTH_MISMATCH."""
+    """A frame header is malformed (the receiver answers with Reason.BAD_HEADER)."""
 
-    def __init__(self, detail: str, reason: Reason = Reason.BAD_HEADER) -> None:
+    def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
-        self.reason = reason
 
 
 class TransferError(Exception):

@@ -131,16 +131,12 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
                        aux, payload_len, payload_checksum)
 
 
-def pages_needed(num_tokens: int, page_tokens: int) -> int:
-    return -(-num_tokens // page_tokens)
-
-
 def tokens_in_page(page_index: int, num_tokens: int, page_tokens: int) -> int:
     return max(0, min(page_tokens, num_tokens - page_index * page_tokens))
 
 
 __all__ = [
     "HEADER_SIZE", "MAGIC", "MAX_PAYLOAD", "VERSION", "FrameError", "FrameHeader", "Kind",
-    "checksum", "commit_digest", "decode_header", "encode_header", "pages_needed",
+    "checksum", "commit_digest", "decode_header", "encode_header", 
     "reservation_bytes", "tokens_in_page",
 ]

@@ -18,7 +18,13 @@ import uuid
 from .base import POISON_BYTE, EventCallback, ExpectedTransfer, TransferResult, TransportStats
 from .errors import Reason, TransferError
 from .framing import (
-    FrameHeader, Kind, checksum, commit_digest, encode_header, reservation_bytes,
+    MAX_NACK_DETAIL,
+    FrameHeader,
+    Kind,
+    checksum,
+    commit_digest,
+    encode_header,
+    reservation_bytes,
     tokens_in_page,
 )
 
@@ -26,7 +32,7 @@ _FINISHED_MEMORY = 4096  # remember this many finished/fenced reservation ids
 
 
 def nack_frame(reservation: bytes, epoch: int, reason: Reason, detail: str) -> bytes:
-    payload = detail.encode()[:4096]
+    payload = detail.encode()[:MAX_NACK_DETAIL]
     return encode_header(Kind.NACK, reservation, epoch, aux=int(reason),
                          payload_len=len(payload), payload_checksum=checksum(payload)) + payload
 

@@ -4,44 +4,42 @@ Sender: headers and pages go out with `sendmsg` straight from the pool's memory 
 per-page copies; several frames per syscall). Receiver: reads the 80-byte header, checks it
 against the live expectation (`ReceiveTable`), then `recv_into` the destination page itself;
 rejected payloads are read into a scratch buffer. One transfer at a time per connection;
-idle connections are pooled per address.
+idle connections are pooled per address. What TCP shares with UCX is in core.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import socket
 
 from ._sock import RawSocket, tune
-from .base import EventCallback, TransferPlan
-from .core import TransportCore, parse_address, reason_of
-from .errors import FrameError, Reason, TransferError
-from .faults import Delay, FaultPlan, Frame
-from .framing import HEADER_SIZE, FrameHeader, Kind, decode_header
-from .receiver import nack_frame
+from .base import EventCallback
+from .core import Cut, Frame, FrameFilter, TransportCore, parse_address
+from .errors import Reason, TransferError
+from .framing import HEADER_SIZE, FrameHeader
+from .receiver import Slot
 
 _SCRATCH_BYTES = 1 << 20
 _BATCH_BYTES = 8 << 20
 _BATCH_FRAMES = 128
-_NO_RESERVATION = bytes(16)
 
 
 class TcpTransport(TransportCore):
     """KVTransport over TCP. `progress_timeout_s` bounds every wait for the peer while a
-    transfer is in flight (a frozen or vanished peer fails within it on both sides)."""
+    transfer is in flight (a frozen or vanished peer fails within it on both sides).
+    `frame_filter` is the test-only frame hook (core.py); only `FaultInjectingTransport`
+    passes one."""
 
     scheme = "tcp"
     lazy_frames = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  progress_timeout_s: float = 0.75, on_event: EventCallback | None = None,
-                 faults: FaultPlan | None = None) -> None:
+                 frame_filter: FrameFilter | None = None) -> None:
         super().__init__(host, port, progress_timeout_s=progress_timeout_s,
-                         on_event=on_event, faults=faults)
-        self._listener: socket.socket | None = None
-        self._conns: dict[int, RawSocket] = {}
-        self._ids = itertools.count()
+                         on_event=on_event, frame_filter=frame_filter)
+        # Rejected payloads are read here and never looked at: links may share it.
+        self._scratch: memoryview | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> str:
@@ -59,81 +57,42 @@ class TcpTransport(TransportCore):
         self._spawn(self._accept_loop())
         return self.address
 
-    def _close_links(self) -> None:
-        for conns in self._idle.values():
-            for conn in conns:
-                conn.close()
+    def _reusable(self, conn: RawSocket) -> bool:
+        return conn.looks_alive()
+
+    def _discard(self, conn: RawSocket) -> None:
+        conn.close()
 
     # -- receiver ----------------------------------------------------------------------
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        assert self._listener is not None
         while True:
             sock, _ = await loop.sock_accept(self._listener)
             tune(sock)
-            self._spawn(self._serve(RawSocket(sock)))
+            self._spawn(self._serve_link(RawSocket(sock)))
 
-    def _post_nack(self, conn_id: int, frame: bytes) -> None:
-        conn = self._conns.get(conn_id)
-        if conn is not None and not conn.closed:
-            self._spawn(self._send_quietly(conn, frame))
+    async def _recv_header(self, conn: RawSocket, progress_s: float | None) -> bytes | None:
+        header = bytearray(HEADER_SIZE)
+        if not await conn.recv_exact(memoryview(header), progress_s, eof_ok=True):
+            return None
+        return header
 
-    async def _send_quietly(self, conn: RawSocket, frame: bytes) -> None:
-        try:
-            await conn.send_all([frame], self.progress_timeout_s)
-        except (OSError, EOFError):
-            pass  # the reader of that connection reports the loss
+    def _scratch_buffer(self) -> memoryview:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        return self._scratch
 
-    async def _serve(self, conn: RawSocket) -> None:
-        conn_id = next(self._ids)
-        self._conns[conn_id] = conn
-        header = memoryview(bytearray(HEADER_SIZE))
-        scratch = memoryview(bytearray(_SCRATCH_BYTES))
-        progress = self.progress_timeout_s
-        reason, detail = Reason.PEER_LOST, "peer closed the connection"
-        try:
-            while True:
-                idle = not self._table.bound_to(conn_id)
-                if not await conn.recv_exact(header, None if idle else progress, eof_ok=True):
-                    break
-                try:
-                    h = decode_header(header)
-                except FrameError as exc:
-                    reason, detail = Reason.BAD_HEADER, exc.detail
-                    self.stats.frames_rejected[Reason.BAD_HEADER] += 1
-                    await conn.send_all(
-                        [nack_frame(_NO_RESERVATION, 0, reason, detail)], progress)
-                    break
-                if h.kind is Kind.DATA:
-                    slot, nack = self._table.check_data(h, conn_id)
-                    if slot is None:
-                        await self._drain(conn, scratch, h.payload_len)
-                    else:
-                        await self._recv_page(conn, scratch, slot, h)
-                        nack = self._table.data_done(slot, h)
-                    if nack is not None:
-                        await conn.send_all([nack], progress)
-                elif h.kind is Kind.COMMIT:
-                    await conn.send_all([self._table.check_commit(h, conn_id)], progress)
-                else:
-                    reason, detail = Reason.BAD_HEADER, f"{h.kind.name} frame sent to a receiver"
-                    break
-        except (OSError, EOFError) as exc:
-            reason, detail = Reason.PEER_LOST, f"{type(exc).__name__}: {exc}"
-        finally:
-            self._table.conn_lost(conn_id, reason, detail)
-            del self._conns[conn_id]
-            conn.close()
-
-    async def _drain(self, conn: RawSocket, scratch: memoryview, length: int) -> None:
+    async def _drain(self, conn: RawSocket, length: int) -> None:
+        scratch = self._scratch_buffer()
         while length:
             chunk = min(length, scratch.nbytes)
             await conn.recv_exact(scratch[:chunk], self.progress_timeout_s)
             length -= chunk
             self.stats.bytes_drained += chunk
 
-    async def _recv_page(self, conn: RawSocket, scratch: memoryview, slot, h: FrameHeader) -> None:
+    async def _recv_page(self, conn: RawSocket, slot: Slot, h: FrameHeader) -> None:
         view = slot.dest(h)
+        scratch = self._scratch_buffer()
         pos, total = 0, h.payload_len
         while pos < total:
             # Synchronous from here to recv_into: a fence() cannot slip in between.
@@ -147,53 +106,18 @@ class TcpTransport(TransportCore):
                 raise EOFError(f"stream truncated in page {h.page_index} after {pos} bytes")
             pos += n
 
-    # -- sender ------------------------------------------------------------------------
-    async def _deliver(self, address: str, plan: TransferPlan, key: bytes, frames) -> None:
-        rid = plan.reservation_id
-        conn = await self._checkout(address, rid)
-        reply = self._spawn(self._read_reply(conn))
-        reusable = False
-        try:
-            try:
-                if self.faults is not None:
-                    await self._send_faulty(conn, frames, reply)
-                else:
-                    await self._send_batched(conn, frames, reply)
-                async with asyncio.timeout(self.progress_timeout_s):
-                    h, detail = await asyncio.shield(reply)
-            except (OSError, EOFError, TimeoutError) as exc:
-                # Prefer the receiver's own verdict if it arrived just before the loss.
-                await asyncio.wait({reply}, timeout=0.05)
-                if not reply.done() or reply.cancelled() or reply.exception() is not None:
-                    raise TransferError(rid, Reason.PEER_LOST, f"{type(exc).__name__}: {exc}") from None
-                h, detail = reply.result()
-            if h.kind is Kind.ACK and h.reservation == key and h.token_count == plan.num_tokens:
-                reusable = True
-                return plan.num_pages
-            if h.kind is Kind.NACK:
-                raise TransferError(rid, reason_of(h.aux), detail)
-            raise TransferError(rid, Reason.BAD_HEADER, f"unexpected reply {h.kind.name}")
-        finally:
-            reply.cancel()
-            await asyncio.gather(reply, return_exceptions=True)
-            if reusable and not self._closed:
-                self._idle.setdefault(address, []).append(conn)
-            else:
-                conn.close()
+    async def _send_reply(self, conn: RawSocket, frame: bytes) -> None:
+        await conn.send_all([frame], self.progress_timeout_s)
 
-    async def _checkout(self, address: str, rid: str) -> RawSocket:
-        idle = self._idle.get(address, [])
-        while idle:
-            conn = idle.pop()
-            if conn.looks_alive():
-                return conn
-            conn.close()
+    # -- sender ------------------------------------------------------------------------
+    async def _open(self, address: str, rid: str) -> RawSocket:
         try:
             host, port = parse_address(address, self.scheme)
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
         except (ValueError, OSError) as exc:
-            raise TransferError(rid, Reason.INVALID_PLAN, f"bad address {address!r}: {exc}") from None
+            raise TransferError(rid, Reason.INVALID_PLAN,
+                                f"bad address {address!r}: {exc}") from None
         sock.setblocking(False)
         try:
             async with asyncio.timeout(self.progress_timeout_s):
@@ -204,21 +128,14 @@ class TcpTransport(TransportCore):
         tune(sock)
         return RawSocket(sock)
 
-    async def _read_reply(self, conn: RawSocket) -> tuple[FrameHeader, str]:
-        header = memoryview(bytearray(HEADER_SIZE))
-        await conn.recv_exact(header, None)
-        try:
-            h = decode_header(header)
-        except FrameError as exc:
-            raise EOFError(f"malformed reply: {exc.detail}") from None
-        detail = b""
-        if h.payload_len:
-            buf = bytearray(h.payload_len)
-            await conn.recv_exact(memoryview(buf), self.progress_timeout_s)
-            detail = bytes(buf)
-        return h, detail.decode(errors="replace")
+    async def _recv_bytes(self, conn: RawSocket, n: int, progress_s: float | None) -> bytes:
+        buf = bytearray(n)
+        await conn.recv_exact(memoryview(buf), progress_s)
+        return bytes(buf)
 
-    async def _send_batched(self, conn: RawSocket, frames, reply: asyncio.Task) -> None:
+    async def _stream(self, conn: RawSocket, frames, reply: asyncio.Task) -> None:
+        """Many frames per `sendmsg` (up to 8 MiB or 128 frames a batch), frames built
+        lazily so that checksumming the next pages overlaps sending the previous ones."""
         batch: list[bytes | memoryview] = []
         size = 0
         for frame in frames:
@@ -238,21 +155,13 @@ class TcpTransport(TransportCore):
         self.stats.bytes_sent += sent
         self.stats.frames_sent += sum(1 for b in batch if len(b) == HEADER_SIZE)
 
-    async def _send_faulty(self, conn: RawSocket, frames: list[Frame], reply) -> None:
-        assert self.faults is not None
-        budget = self.faults.cut_after
-        for item in self.faults.apply(frames):
-            if isinstance(item, Delay):
-                await asyncio.sleep(item.seconds)
-                continue
-            if reply.done():
-                return
-            for buf in (item.header, item.payload):
-                view = memoryview(buf)
-                if budget is not None and view.nbytes >= budget:
-                    await conn.send_all([view[:budget]], self.progress_timeout_s)
-                    conn.close(reset=self.faults.reset_after is not None)
-                    raise ConnectionResetError("fault injected: stream cut")
-                if budget is not None:
-                    budget -= view.nbytes
-                self.stats.bytes_sent += await conn.send_all([view], self.progress_timeout_s)
+    async def _send_frame(self, conn: RawSocket, frame: Frame) -> None:
+        buffers = [frame.header, frame.payload] if len(frame.payload) else [frame.header]
+        self.stats.bytes_sent += await conn.send_all(buffers, self.progress_timeout_s)
+        self.stats.frames_sent += 1
+
+    async def _cut(self, conn: RawSocket, cut: Cut) -> None:
+        for buf in cut.whole:
+            self.stats.bytes_sent += await conn.send_all([buf], self.progress_timeout_s)
+        await conn.send_all([cut.partial], self.progress_timeout_s)
+        conn.close(reset=cut.reset)

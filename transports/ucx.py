@@ -7,7 +7,8 @@ checked. A posted UCX receive cannot be taken back, so the slot counts it as an
 unstoppable write: `fence()` and every failure wait for it to end before poisoning and
 reporting (and abort the endpoint when it stalls). UCX does not report a frozen peer
 (measured: 24 s+), so every wait during a transfer has our own progress timeout.
-Env vars: see transports/README.md (UCX_TLS, UCXPY_PROGRESS_MODE, ...).
+What UCX shares with TCP is in core.py. Env vars: see transports/README.md (UCX_TLS,
+UCXPY_PROGRESS_MODE, ...).
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import contextlib
 
 import numpy as np
 
-from .base import EventCallback, TransferPlan
-from .core import TransportCore, parse_address, reason_of
-from .errors import FrameError, Reason, TransferError
-from .faults import Delay, FaultPlan, Frame
-from .framing import HEADER_SIZE, FrameHeader, Kind, decode_header
-from .receiver import nack_frame
+from .base import EventCallback
+from .core import Cut, Frame, FrameFilter, TransportCore, parse_address, timed
+from .errors import Reason, TransferError
+from .framing import HEADER_SIZE, FrameHeader
+from .receiver import Slot
 
 ucx_import_error: Exception | None = None
 try:
@@ -34,28 +34,31 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         ucx = None
         ucx_import_error = exc
 
-_NO_RESERVATION = bytes(16)
-_LOST = (EOFError, OSError, TimeoutError)
-
 
 def _np(buf) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+def _abort(ep) -> None:
+    with contextlib.suppress(Exception):
+        ep.abort()
+
+
 class UcxTransport(TransportCore):
-    """KVTransport over UCX; see the module docstring."""
+    """KVTransport over UCX; see the module docstring. `frame_filter` is the test-only
+    frame hook (core.py); only `FaultInjectingTransport` passes one."""
 
     scheme = "ucx"
+    # UCX reports peer loss with its own exception types.
+    _lost = (Exception,)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  progress_timeout_s: float = 0.75, on_event: EventCallback | None = None,
-                 faults: FaultPlan | None = None) -> None:
+                 frame_filter: FrameFilter | None = None) -> None:
         if ucx is None:
             raise RuntimeError(f"ucx transport unavailable: {ucx_import_error}")
         super().__init__(host, port, progress_timeout_s=progress_timeout_s,
-                         on_event=on_event, faults=faults)
-        self._eps: dict[int, object] = {}
-        self._next_id = 0
+                         on_event=on_event, frame_filter=frame_filter)
 
     async def start(self) -> str:
         if self._listener is None:
@@ -64,90 +67,34 @@ class UcxTransport(TransportCore):
             self.address = f"ucx://{self.host}:{self.port}"
         return self.address
 
-    def _close_links(self) -> None:
-        for eps in self._idle.values():
-            for ep in eps:
-                _abort(ep)
-        for ep in list(self._eps.values()):
-            _abort(ep)
+    def _reusable(self, ep) -> bool:
+        return not ep.closed
 
-    async def _timed(self, awaitable, timeout: float | None):
-        if timeout is None:
-            return await awaitable
-        async with asyncio.timeout(timeout):
-            return await awaitable
+    def _discard(self, ep) -> None:
+        _abort(ep)
 
     # -- receiver ----------------------------------------------------------------------
-    def _post_nack(self, conn_id: int, frame: bytes) -> None:
-        ep = self._eps.get(conn_id)
-        if ep is not None:
-            self._spawn(self._send_quietly(ep, frame))
-
-    async def _send_quietly(self, ep, frame: bytes) -> None:
-        with contextlib.suppress(Exception):
-            await self._send_frame(ep, frame)
-
-    async def _send_frame(self, ep, frame: bytes) -> None:
-        """A reply frame: header message, then its payload message if any."""
-        await self._timed(ep.send(_np(frame[:HEADER_SIZE])), self.progress_timeout_s)
-        if len(frame) > HEADER_SIZE:
-            await self._timed(ep.send(_np(frame[HEADER_SIZE:])), self.progress_timeout_s)
-
     def _on_connect(self, ep):
         if self._closed:
             _abort(ep)
             return None
-        return self._spawn(self._serve(ep))
+        return self._spawn(self._serve_link(ep))
 
-    async def _serve(self, ep) -> None:
-        conn_id = self._next_id = self._next_id + 1
-        self._eps[conn_id] = ep
-        header = np.empty(HEADER_SIZE, dtype=np.uint8)
-        progress = self.progress_timeout_s
-        reason, detail = Reason.PEER_LOST, "peer closed the endpoint"
-        try:
-            while True:
-                idle = not self._table.bound_to(conn_id)
-                await self._timed(ep.recv(header), None if idle else progress)
-                try:
-                    h = decode_header(header.tobytes())
-                except FrameError as exc:
-                    reason, detail = Reason.BAD_HEADER, exc.detail
-                    self.stats.frames_rejected[reason] += 1
-                    await self._send_frame(ep, nack_frame(_NO_RESERVATION, 0, reason, detail))
-                    break
-                if h.kind is Kind.DATA:
-                    slot, nack = self._table.check_data(h, conn_id)
-                    if slot is None:
-                        await self._timed(ep.recv(np.empty(h.payload_len, np.uint8)), progress)
-                        self.stats.bytes_drained += h.payload_len
-                    else:
-                        await self._recv_page(ep, slot, h)
-                        nack = self._table.data_done(slot, h)
-                    if nack is not None:
-                        await self._send_frame(ep, nack)
-                elif h.kind is Kind.COMMIT:
-                    await self._send_frame(ep, self._table.check_commit(h, conn_id))
-                else:
-                    reason, detail = Reason.BAD_HEADER, f"{h.kind.name} frame sent to a receiver"
-                    break
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # UCX reports peer loss with its own exception types
-            reason, detail = Reason.PEER_LOST, f"{type(exc).__name__}: {exc}"
-        finally:
-            self._table.conn_lost(conn_id, reason, detail)
-            self._eps.pop(conn_id, None)
-            _abort(ep)
+    async def _recv_header(self, ep, progress_s: float | None) -> bytes:
+        return await self._recv_bytes(ep, HEADER_SIZE, progress_s)
 
-    async def _recv_page(self, ep, slot, h: FrameHeader) -> None:
+    async def _drain(self, ep, length: int) -> None:
+        await timed(ep.recv(np.empty(length, np.uint8)), self.progress_timeout_s)
+        self.stats.bytes_drained += length
+
+    async def _recv_page(self, ep, slot: Slot, h: FrameHeader) -> None:
         if not slot.live:
-            await self._timed(ep.recv(np.empty(h.payload_len, np.uint8)), self.progress_timeout_s)
+            await timed(ep.recv(np.empty(h.payload_len, np.uint8)), self.progress_timeout_s)
             return
         dest = _np(slot.dest(h))
         slot.writing += 1
         try:
-            await self._timed(ep.recv(dest), self.progress_timeout_s)
+            await timed(ep.recv(dest), self.progress_timeout_s)
         except BaseException:
             # The posted receive may still be live inside UCX: tear the endpoint down so
             # it is cancelled before the slot is poisoned and reported.
@@ -157,94 +104,42 @@ class UcxTransport(TransportCore):
         finally:
             self._table.write_ended(slot)
 
+    async def _send_reply(self, ep, frame: bytes) -> None:
+        """A reply frame: header message, then its payload message if any."""
+        await timed(ep.send(_np(frame[:HEADER_SIZE])), self.progress_timeout_s)
+        if len(frame) > HEADER_SIZE:
+            await timed(ep.send(_np(frame[HEADER_SIZE:])), self.progress_timeout_s)
+
     # -- sender ------------------------------------------------------------------------
-    async def _connect(self, address: str, rid: str):
-        idle = self._idle.get(address, [])
-        while idle:
-            ep = idle.pop()
-            if not ep.closed:
-                return ep
+    async def _open(self, address: str, rid: str):
         try:
             host, port = parse_address(address, self.scheme)
         except ValueError as exc:
             raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
         try:
-            return await self._timed(ucx.create_endpoint(host, port),
-                                     2 * self.progress_timeout_s)
+            return await timed(ucx.create_endpoint(host, port), 2 * self.progress_timeout_s)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - ucxx raises many kinds; all mean peer lost
             raise TransferError(rid, Reason.PEER_LOST, f"connect {address}: {exc!r}") from None
 
-    async def _deliver(self, address: str, plan: TransferPlan, key: bytes, frames) -> None:
-        rid = plan.reservation_id
-        ep = await self._connect(address, rid)
-        reply = self._spawn(self._read_reply(ep))
-        reusable = False
-        try:
-            try:
-                await self._send_frames(ep, frames, reply)
-                h, detail = await self._timed(asyncio.shield(reply), self.progress_timeout_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                await asyncio.wait({reply}, timeout=0.05)
-                if not reply.done() or reply.cancelled() or reply.exception() is not None:
-                    raise TransferError(rid, Reason.PEER_LOST, f"{type(exc).__name__}: {exc}") from None
-                h, detail = reply.result()
-            if h.kind is Kind.ACK and h.reservation == key and h.token_count == plan.num_tokens:
-                reusable = True
-                return
-            if h.kind is Kind.NACK:
-                raise TransferError(rid, reason_of(h.aux), detail)
-            raise TransferError(rid, Reason.BAD_HEADER, f"unexpected reply {h.kind.name}")
-        finally:
-            reply.cancel()
-            await asyncio.gather(reply, return_exceptions=True)
-            if reusable and not self._closed:
-                self._idle.setdefault(address, []).append(ep)
-            else:
-                _abort(ep)
+    async def _recv_bytes(self, ep, n: int, progress_s: float | None) -> bytes:
+        buf = np.empty(n, dtype=np.uint8)
+        await timed(ep.recv(buf), progress_s)
+        return buf.tobytes()
 
-    async def _read_reply(self, ep) -> tuple[FrameHeader, str]:
-        header = np.empty(HEADER_SIZE, dtype=np.uint8)
-        await ep.recv(header)
-        try:
-            h = decode_header(header.tobytes())
-        except FrameError as exc:
-            raise EOFError(f"malformed reply: {exc.detail}") from None
-        detail = b""
-        if h.payload_len:
-            buf = np.empty(h.payload_len, dtype=np.uint8)
-            await self._timed(ep.recv(buf), self.progress_timeout_s)
-            detail = buf.tobytes()
-        return h, detail.decode(errors="replace")
+    async def _send_frame(self, ep, frame: Frame) -> None:
+        """Two tagged messages: the header, then the page (a COMMIT has none)."""
+        await self._send_buffers(ep, (frame.header, frame.payload))
+        self.stats.frames_sent += 1
 
-    async def _send_frames(self, ep, frames: list[Frame], reply: asyncio.Task) -> None:
-        faults = self.faults
-        items = faults.apply(frames) if faults is not None else frames
-        budget = faults.cut_after if faults is not None else None
-        progress = self.progress_timeout_s
-        for item in items:
-            if isinstance(item, Delay):
-                await asyncio.sleep(item.seconds)
-                continue
-            if reply.done():
-                return
-            for buf in (item.header, item.payload):
-                if not len(buf):
-                    continue
-                if budget is not None and len(buf) >= budget:
-                    # A UCX message cannot be cut mid-way: the peer sees the endpoint die.
-                    _abort(ep)
-                    raise ConnectionResetError("fault injected: stream cut")
-                if budget is not None:
-                    budget -= len(buf)
-                await self._timed(ep.send(_np(buf)), progress)
+    async def _cut(self, ep, cut: Cut) -> None:
+        # A UCX message cannot be cut mid-way: the peer sees the endpoint die.
+        await self._send_buffers(ep, cut.whole)
+        _abort(ep)
+
+    async def _send_buffers(self, ep, buffers) -> None:
+        for buf in buffers:
+            if len(buf):
+                await timed(ep.send(_np(buf)), self.progress_timeout_s)
                 self.stats.bytes_sent += len(buf)
-            self.stats.frames_sent += 1
-
-
-def _abort(ep) -> None:
-    with contextlib.suppress(Exception):
-        ep.abort()

@@ -7,10 +7,12 @@ reserves or dispatches (those take an `Admitted`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from services.capacity import decode_refusal, fits, prefill_refusal
-from services.messages import RejectReason
+from pdmesh.services.capacity import decode_refusal, fits, prefill_refusal
+from pdmesh.services.messages import Code, SubmitRequest
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class WorkerView:
 
     worker_id: str
     capacity_tokens: int  # real pool capacity (never the configured figure)
-    free_tokens: int
+    available_tokens: int
     page_tokens: int
     served_context: int  # the context this worker really serves (clamped to its pool)
     queue_depth: int = 0
@@ -36,9 +38,41 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Rejected:
-    reason: RejectReason
+    reason: Code  # a REJECTED-kind code
     message: str
     limit: int = 0
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A decode worker did not reserve now (its pool changed since its heartbeat): try
+    another worker or wait, never final by itself."""
+
+    why: str
+
+
+class AdmissionPolicy(Protocol):
+    """How admission decides, injected at construction (production: `LivePolicy`)."""
+
+    def decide(self, req: SubmitRequest, prefills: list[WorkerView],
+               decodes: list[WorkerView], headers: Mapping[str, str]) -> Admitted | Rejected:
+        ...
+
+    def dispatch_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
+        """NATS headers to put on the dispatch (production: none)."""
+        ...
+
+
+class LivePolicy:
+    """The production policy: `decide()` on the live worker views; request headers are
+    not read."""
+
+    def decide(self, req: SubmitRequest, prefills: list[WorkerView],
+               decodes: list[WorkerView], headers: Mapping[str, str]) -> Admitted | Rejected:
+        return decide(len(req.prompt_ids), req.max_tokens, prefills, decodes)
+
+    def dispatch_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
+        return None
 
 
 def prefill_cost(prompt_len: int, worker: WorkerView) -> int:
@@ -61,17 +95,17 @@ def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
     never a transient 429.
     """
     if prompt_len <= 0:
-        return Rejected(RejectReason.INVALID, "prompt is empty")
+        return Rejected(Code.INVALID, "prompt is empty")
     if max_tokens <= 0:
-        return Rejected(RejectReason.INVALID, "max_tokens must be at least 1")
+        return Rejected(Code.INVALID, "max_tokens must be at least 1")
     if not prefills or not decodes:
-        return Rejected(RejectReason.NO_WORKERS,
+        return Rejected(Code.NO_WORKERS,
                         "no live prefill or decode worker; try again shortly")
     total = prompt_len + max_tokens
     # Decode holds prompt + every generated token; prefill holds the prompt.
     context = max(max(d.served_context for d in decodes), 0)
     if total > context:
-        return Rejected(RejectReason.CONTEXT_LENGTH_EXCEEDED,
+        return Rejected(Code.CONTEXT_LENGTH_EXCEEDED,
                         f"This model's maximum context length is {context} tokens. However, "
                         f"you requested {total} tokens ({prompt_len} in the prompt, "
                         f"{max_tokens} for the completion).", limit=context)
@@ -79,26 +113,26 @@ def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
         prompt_len, p.capacity_tokens, p.page_tokens, p.served_context)]
     if not prefill_ok:
         limit = max(p.capacity_tokens for p in prefills)
-        return Rejected(RejectReason.PROMPT_EXCEEDS_PREFILL_POOL,
+        return Rejected(Code.PROMPT_EXCEEDS_PREFILL_POOL,
                         f"prompt of {prompt_len} tokens exceeds the prefill KV pool "
                         f"({limit} tokens)", limit=limit)
     decode_ok = [d for d in decodes if not decode_refusal(
         prompt_len, max_tokens, d.capacity_tokens, d.page_tokens, d.served_context)]
     if not decode_ok:
         limit = max(d.capacity_tokens for d in decodes)
-        return Rejected(RejectReason.EXCEEDS_DECODE_POOL,
+        return Rejected(Code.EXCEEDS_DECODE_POOL,
                         f"prompt + max_tokens = {total} tokens exceeds the decode KV pool "
                         f"({limit} tokens)", limit=limit)
-    prefill_now = [p for p in prefill_ok if fits(prompt_len, p.free_tokens, p.page_tokens)]
-    decode_now = [d for d in decode_ok if fits(total, d.free_tokens, d.page_tokens)]
+    prefill_now = [p for p in prefill_ok if fits(prompt_len, p.available_tokens, p.page_tokens)]
+    decode_now = [d for d in decode_ok if fits(total, d.available_tokens, d.page_tokens)]
     if not prefill_now or not decode_now:
         # Prefill queues requests whose pages are busy, so a full prefill pool only
         # delays; decode must hold the whole lease now.
         if not decode_now:
-            return Rejected(RejectReason.SATURATED,
+            return Rejected(Code.SATURATED,
                             "all decode workers are busy; retry later")
         prefill_now = prefill_ok
     prefill = min(prefill_now, key=lambda p: (prefill_cost(prompt_len, p), p.queue_depth,
-                                              -p.free_tokens, p.worker_id))
-    decode = max(decode_now, key=lambda d: (d.free_tokens, d.worker_id))
+                                              -p.available_tokens, p.worker_id))
+    decode = max(decode_now, key=lambda d: (d.available_tokens, d.worker_id))
     return Admitted(prefill=prefill, decode=decode)

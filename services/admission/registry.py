@@ -17,10 +17,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.prefix_key import aligned_prefix_hashes
-from services import messages as m
-from services.admission.policy import WorkerView
-from services.capacity import pages_for
+from pdmesh.kvstore.prefix_key import aligned_prefix_hashes
+from pdmesh.kvstore.spec import pages_for
+from pdmesh.services import messages as m
+from pdmesh.services.admission.policy import WorkerView
 
 
 @dataclass
@@ -74,7 +74,7 @@ class CapacityRegistry:
         for e in entries:
             b = e.beat
             out.append(WorkerView(worker_id=b.worker_id, capacity_tokens=b.pool_capacity_tokens,
-                                  free_tokens=max(b.free_tokens - e.charged_tokens, 0),
+                                  available_tokens=max(b.available_tokens - e.charged_tokens, 0),
                                   page_tokens=max(b.page_tokens, 1),
                                   served_context=b.served_context,
                                   queue_depth=b.queue_depth + e.charged_requests,

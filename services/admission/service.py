@@ -13,27 +13,36 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Histogram
 
-from services import messages as m
-from services import tickets
-from services.admission.policy import Admitted, Rejected, WorkerView, decide
-from services.admission.registry import CapacityRegistry
-from services.config import ServiceConfig
-from services.faults import REQUEST_FAULTS
-from services.runtime import ServiceRuntime, counter_total, run_service
+from pdmesh.services import faults, tickets
+from pdmesh.services import messages as m
+from pdmesh.services.admission.policy import (
+    AdmissionPolicy,
+    Admitted,
+    LivePolicy,
+    Rejected,
+    Retry,
+    WorkerView,
+)
+from pdmesh.services.admission.registry import CapacityRegistry
+from pdmesh.services.config import ServiceConfig
+from pdmesh.services.runtime import ServiceRuntime, counter_total, run_service
 
 log = logging.getLogger("pdmesh.admission")
 
 
 class AdmissionService:
-    def __init__(self, cfg: ServiceConfig) -> None:
+    def __init__(self, cfg: ServiceConfig, policy: AdmissionPolicy | None = None) -> None:
         self.cfg = cfg
+        # The decision is injected: test meshes with faults allowed pass a policy that can
+        # be told to skip the checks (services/faults.py); production uses LivePolicy.
+        self.policy = policy or LivePolicy()
         self.rt = ServiceRuntime(cfg)
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
-        self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
         self._capacity_changed = asyncio.Event()
         r = self.rt.registry
         self.decisions = Counter("pdmesh_admission_decisions_total", "Admission decisions",
@@ -46,10 +55,6 @@ class AdmissionService:
                                     "Reservation attempts by outcome", ["outcome"], registry=r)
         self.dispatches = Counter("pdmesh_dispatches_total", "Prefill dispatches sent",
                                   registry=r)
-        # Stays 0: a dispatch for a request that was rejected (the 2026 incident's path).
-        self.rejected_handoffs = Counter("pdmesh_rejected_handoffs_total",
-                                         "Handoffs of rejected requests (must stay 0)",
-                                         registry=r)
         self.decision_seconds = Histogram(
             "pdmesh_admission_decision_seconds", "Time to answer a submit",
             ["outcome"], registry=r,
@@ -82,25 +87,26 @@ class AdmissionService:
     def _stats(self) -> m.StatsReply:
         counters = {name: counter_total(c) for name, c in (
             ("rejections", self.rejections), ("tickets_issued", self.tickets_issued),
-            ("dispatches", self.dispatches), ("rejected_handoffs", self.rejected_handoffs))}
+            ("dispatches", self.dispatches))}
         return m.StatsReply(worker_id=self.cfg.worker_id, role=m.Role.ADMISSION,
                             counters=counters)
 
     # -- the decision -----------------------------------------------------------------
     async def _on_submit(self, req: m.SubmitRequest, msg: Msg) -> None:
         t0 = time.perf_counter()
-        reply = await self.handle(req)
-        outcome = "admitted" if reply.admitted else "rejected"
+        reply = await self.handle(req, msg.headers or {})
+        outcome = "admitted" if isinstance(reply, m.Admitted) else "rejected"
         self.decision_seconds.labels(outcome).observe(time.perf_counter() - t0)
         await self.rt.respond(msg, reply)
 
-    async def handle(self, req: m.SubmitRequest) -> m.SubmitReply:
+    async def handle(self, req: m.SubmitRequest,
+                     headers: Mapping[str, str] | None = None) -> m.SubmitReply:
         """Admit (reserve + dispatch) or reject. Static limits reject at once; a mesh that
         is only busy right now is waited on for up to `queue_timeout_s`, as a serving
         engine queues, before the request is rejected as saturated (429)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.queue_timeout_s
-        prompt_len = len(req.prompt_ids)
+        headers = headers or {}
         tried: set[str] = set()
         decision: Admitted | Rejected
         while True:
@@ -110,24 +116,21 @@ class AdmissionService:
             decodes = [d for d in self.registry.views(m.Role.DECODE) if d.worker_id not in tried]
             if tried and not decodes:
                 pass  # every live decode refused this request: keep its refusal as the answer
-            elif req.fault == "bypass_admission" and self.request_faults and prefills and decodes:
-                # Test-only: skip the length checks so the workers' own gates are exercised.
-                decision = Admitted(prefill=prefills[0], decode=decodes[0])
             else:
-                decision = decide(prompt_len, req.max_tokens, prefills, decodes)
+                decision = self.policy.decide(req, prefills, decodes, headers)
             if isinstance(decision, Admitted):
-                reply = await self._reserve_and_dispatch(req, decision)
-                if isinstance(reply, m.SubmitReply):
+                reply = await self._reserve_and_dispatch(req, decision, headers)
+                if isinstance(reply, m.Admitted):
                     return reply
                 if isinstance(reply, Rejected):  # the decode's own gate: final, no queueing
                     return self._reject(req, reply)
                 # That decode refused (its pool changed since its heartbeat): prefer the
                 # others until its next heartbeat shows what it really has.
                 tried.add(decision.decode.worker_id)
-                decision = Rejected(m.RejectReason.SATURATED,
+                decision = Rejected(m.Code.SATURATED,
                                     f"decode worker {decision.decode.worker_id} could not "
-                                    f"reserve the KV pages: {reply}")
-            elif decision.reason is not m.RejectReason.SATURATED:
+                                    f"reserve the KV pages: {reply.why}")
+            elif decision.reason is not m.Code.SATURATED:
                 return self._reject(req, decision)
             if loop.time() >= deadline:
                 return self._reject(req, decision)
@@ -138,22 +141,20 @@ class AdmissionService:
             if self._capacity_changed.is_set():
                 tried.clear()  # fresh heartbeats: every decode may be asked again
 
-    def _reject(self, req: m.SubmitRequest, rej: Rejected) -> m.SubmitReply:
+    def _reject(self, req: m.SubmitRequest, rej: Rejected) -> m.Rejected:
         self.decisions.labels("rejected").inc()
-        self.rejections.labels(rej.reason.name.lower()).inc()
+        self.rejections.labels(rej.reason.label).inc()
         log.info("rejected %s (%s): %s", req.request_id, rej.reason.name, rej.message)
-        return m.SubmitReply(request_id=req.request_id, admitted=False, rejection=m.Rejection(
-            reason=rej.reason, message=rej.message, prompt_len=len(req.prompt_ids),
-            max_tokens=req.max_tokens, limit=rej.limit))
+        return m.Rejected(request_id=req.request_id,
+                          outcome=m.Outcome(code=rej.reason, detail=rej.message),
+                          prompt_len=len(req.prompt_ids), max_tokens=req.max_tokens,
+                          limit=rej.limit)
 
-    async def _reserve_and_dispatch(self, req: m.SubmitRequest,
-                                    decision: Admitted) -> m.SubmitReply | Rejected | str:
-        """Only an `Admitted` decision reaches here: reserve on decode, then dispatch.
-        Returns the admitted reply, a final rejection (the decode's own capacity gate refused
-        it), or why the decode worker did not reserve now (worth another try)."""
-        if not isinstance(decision, Admitted):  # defence in depth; the type says it already
-            self.rejected_handoffs.inc()
-            raise TypeError("only admitted requests may be handed off")
+    async def _reserve_and_dispatch(self, req: m.SubmitRequest, decision: Admitted,
+                                    headers: Mapping[str, str]) -> m.Admitted | Rejected | Retry:
+        """Only an `Admitted` decision reaches here (the type says so): reserve on decode,
+        then dispatch. Returns the admitted reply, a final rejection (the decode's own
+        capacity gate refused it), or `Retry` (that decode did not reserve now)."""
         prefill: WorkerView = decision.prefill
         decode: WorkerView = decision.decode
         ticket = tickets.sign(
@@ -171,31 +172,30 @@ class AdmissionService:
             log.warning("reserve on %s for %s failed: %s", decode.worker_id, req.request_id, exc)
             # The decode worker may have reserved after our deadline: tell it to let go.
             await self.rt.publish(m.ABORT_SUBJECT, m.Abort(
-                request_id=req.request_id, code=m.FailCode.RESERVE_FAILED, detail=str(exc)))
-            return str(exc)
-        if not res.ok:
+                request_id=req.request_id,
+                outcome=m.Outcome(code=m.Code.RESERVE_FAILED, detail=str(exc))))
+            return Retry(str(exc))
+        if isinstance(res, m.ReserveRefused):
             self.reservations.labels("refused").inc()
-            log.info("decode %s refused %s: %s", decode.worker_id, req.request_id, res.error)
-            if res.code == m.FailCode.REFUSED:
-                return Rejected(m.RejectReason.EXCEEDS_DECODE_POOL,
-                                f"decode worker {decode.worker_id} refuses: {res.error}")
-            return res.error or "refused"
+            detail = res.outcome.detail
+            log.info("decode %s refused %s: %s", decode.worker_id, req.request_id, detail)
+            if res.outcome.code is m.Code.REFUSED:
+                return Rejected(m.Code.EXCEEDS_DECODE_POOL,
+                                f"decode worker {decode.worker_id} refuses: {detail}")
+            return Retry(detail or "refused")
         self.reservations.labels("ok").inc()
         self.registry.charge(m.Role.DECODE, decode.worker_id,
                              len(req.prompt_ids) + req.max_tokens)
         self.registry.charge(m.Role.PREFILL, prefill.worker_id, len(req.prompt_ids))
         await self.rt.publish(m.dispatch_subject(prefill.worker_id), m.PrefillDispatch(
             ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
-            reservation_id=res.reservation_id, epoch=res.epoch, page_ids=res.page_ids,
-            page_tokens=res.page_tokens, page_bytes=res.page_bytes,
-            data_address=res.data_address,
-            fault=req.fault if self.request_faults else ""))
+            reservation=res.reservation), headers=self.policy.dispatch_headers(headers))
         self.dispatches.inc()
         self.decisions.labels("admitted").inc()
-        return m.SubmitReply(request_id=req.request_id, admitted=True,
-                             decode_worker=decode.worker_id, prefill_worker=prefill.worker_id)
+        return m.Admitted(request_id=req.request_id, decode_worker=decode.worker_id,
+                          prefill_worker=prefill.worker_id)
 
 
 async def serve(cfg: ServiceConfig) -> None:
-    svc = AdmissionService(cfg)
+    svc = AdmissionService(cfg, faults.admission_policy(cfg))
     await run_service(svc.rt, svc.start)

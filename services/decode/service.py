@@ -6,9 +6,14 @@ ABORTED / FAILED from any live state. Decode never attends over a page this requ
 write in this lease: the transport only writes into registered live leases, pages are marked
 written only on a verified commit, and the engine's read check refuses anything else (I2).
 
-Every exit frees the lease in the same function that ends the request (`_end`). A lease
-whose transfer may still be in flight is fenced first, and a lease in the middle of a decode
-step is released only after that step (the engine thread may be reading it).
+Every exit goes through `DecodeRequest.finish(outcome)`, which hands back the lease to free
+now, or nothing while the engine thread is using the lease (`pinned`: a decode step, or the
+colocated prefill): then `unpin()` hands it back after that step. `_conclude` frees it (a
+lease whose transfer may still be in flight is fenced first) and only then tells the client.
+
+Batching is `DecodeScheduler`'s (round-robin, up to `max_batch`); where the prompt's KV comes
+from is a `KVIntake`: the data plane here (`TransportIntake`), the same process's prefill on a
+colocated worker (services/colocated/service.py).
 """
 
 from __future__ import annotations
@@ -18,21 +23,25 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from kvstore import Lease, PoolExhaustedError
-from services import messages as m
-from services.capacity import decode_refusal
-from services.config import ServiceConfig
-from services.engine.runner import DecodeSlot
-from services.engine.sampling import Sampler, SamplingParams
-from services.errors import TicketError
-from services.lifecycle import RequestState, advance
-from services.runtime import counter_total
-from services.worker import WorkerBase, run_worker
-from transports import ExpectedTransfer, TransferError, TransferResult
+from pdmesh.kvstore import Lease, PoolExhaustedError
+from pdmesh.kvstore.spec import pages_for
+from pdmesh.services import messages as m
+from pdmesh.services.capacity import decode_refusal
+from pdmesh.services.config import ServiceConfig
+from pdmesh.services.decode.scheduler import DecodeScheduler
+from pdmesh.services.engine.runner import DecodeSlot
+from pdmesh.services.engine.sampling import Sampler, SamplingParams
+from pdmesh.services.errors import TicketError
+from pdmesh.services.lifecycle import Lifecycle, RequestState
+from pdmesh.services.runtime import counter_total
+from pdmesh.services.worker import WorkerBase, run_worker
+from pdmesh.transports import ExpectedTransfer, KVTransport, TransferError, TransferResult
 
 log = logging.getLogger("pdmesh.decode")
 
@@ -43,30 +52,96 @@ class DecodeRequest:
     lease: Lease
     reservation_id: str
     sampler: Sampler
-    state: RequestState = RequestState.RESERVED
+    lifecycle: Lifecycle = field(init=False)
     generated: list[int] = field(default_factory=list)
     seq: int = 0
-    in_step: bool = False
-    end_after_step: tuple[RequestState, m.FailCode, str] | None = None
+    pinned: bool = False  # the engine thread is reading or writing this lease right now
     transfer_task: asyncio.Task[None] | None = None
     reserved_at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.lifecycle = Lifecycle(self.ticket.request_id, RequestState.RESERVED)
 
     @property
     def request_id(self) -> str:
         return self.ticket.request_id
 
     @property
+    def state(self) -> RequestState:
+        return self.lifecycle.state
+
+    @property
     def position(self) -> int:
         """Position of the last generated token (the next one to feed the model)."""
         return self.ticket.prompt_len + len(self.generated) - 1
+
+    @property
+    def prompt_page_ids(self) -> tuple[int, ...]:
+        return self.lease.page_ids[:pages_for(self.ticket.prompt_len, self.lease.page_tokens)]
+
+    def finish(self, outcome: m.Outcome) -> Lease | None:
+        """End the request; the lease the caller must free now (None: already ended, or
+        pinned by the engine until `unpin()`)."""
+        if not self.lifecycle.finish(outcome):
+            return None
+        return None if self.pinned else self.lease
+
+    def unpin(self) -> Lease | None:
+        """The engine is done with the lease; the lease to free now if the request ended
+        meanwhile."""
+        self.pinned = False
+        return self.lease if self.lifecycle.is_terminal else None
+
+
+def peer_ending(outcome: m.Outcome, prefix: str) -> m.Outcome:
+    """A peer's Release/Abort ends a request as ABORTED or FAILED, whatever code it names
+    (a finish or a rejection code from a peer is taken as PEER_RELEASED)."""
+    code = outcome.code
+    if code.kind not in (m.Kind.ABORTED, m.Kind.FAILED):
+        code = m.Code.PEER_RELEASED
+    return m.Outcome(code=code, detail=f"{prefix}{outcome.detail or code.label}")
+
+
+class KVIntake(Protocol):
+    """Where a reserved request's prompt KV comes from."""
+
+    async def attach(self, svc: DecodeService) -> None:
+        """Subscribe/spawn what this intake needs (called once at start)."""
+
+    def expect(self, svc: DecodeService, dreq: DecodeRequest) -> None:
+        """Start waiting for `dreq`'s prompt KV; end it on failure or deadline."""
+
+
+class TransportIntake:
+    """Disaggregated decode: the prompt's KV arrives over the data plane, verified."""
+
+    async def attach(self, svc: DecodeService) -> None:
+        return None
+
+    def expect(self, svc: DecodeService, dreq: DecodeRequest) -> None:
+        spec = svc.pool.spec
+        page_ids = dreq.prompt_page_ids
+        target = ExpectedTransfer(
+            reservation_id=dreq.reservation_id, epoch=dreq.lease.epoch, page_ids=page_ids,
+            page_buffers=[svc.pool.page_buffer(dreq.lease, i) for i in range(len(page_ids))],
+            page_bytes=spec.bytes_per_page, page_tokens=spec.page_tokens,
+            num_tokens=dreq.ticket.prompt_len, deadline_s=svc.cfg.transfer_deadline_s)
+        fut = svc.transport.expect(target)
+        dreq.transfer_task = svc.rt.spawn(svc.await_transfer(dreq, fut),
+                                          f"transfer:{dreq.request_id}")
 
 
 class DecodeService(WorkerBase):
     role = m.Role.DECODE
 
-    def __init__(self, cfg: ServiceConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ServiceConfig, transport: KVTransport | None = None,
+                 intake: KVIntake | None = None,
+                 advertised_roles: tuple[m.Role, ...] = ()) -> None:
+        super().__init__(cfg, transport)
+        self.advertised_roles = advertised_roles
+        self.intake: KVIntake = intake or TransportIntake()
         self.requests: dict[str, DecodeRequest] = {}
+        self.scheduler: DecodeScheduler[DecodeRequest] = DecodeScheduler(cfg.max_batch)
         self.prefill_seen: dict[str, float] = {}  # prefill worker -> last heartbeat
         self._work = asyncio.Event()
         r = self.rt.registry
@@ -86,6 +161,7 @@ class DecodeService(WorkerBase):
         await self.rt.subscribe(m.ABORT_SUBJECT, m.Abort, self._on_abort)
         await self.rt.subscribe(m.heartbeat_subject("prefill", "*"), m.Heartbeat,
                                 self._on_prefill_heartbeat, concurrent=False)
+        await self.intake.attach(self)
         self.rt.spawn(self._decode_loop(), "decode-loop")
         self.rt.every(self.cfg.heartbeat_s, self._watch_prefills, "watch-prefills")
 
@@ -101,9 +177,9 @@ class DecodeService(WorkerBase):
                 continue
             seen = self.prefill_seen.get(dreq.ticket.prefill_worker, dreq.reserved_at)
             if now - max(seen, dreq.reserved_at) > self.cfg.worker_ttl_s:
-                await self._end(dreq, RequestState.FAILED, m.FailCode.PEER_RELEASED,
-                                f"prefill worker {dreq.ticket.prefill_worker} stopped "
-                                "heartbeating")
+                await self.end(dreq, m.Outcome(
+                    code=m.Code.PEER_RELEASED,
+                    detail=f"prefill worker {dreq.ticket.prefill_worker} stopped heartbeating"))
 
     def active_requests(self) -> int:
         return len(self.requests)
@@ -118,6 +194,12 @@ class DecodeService(WorkerBase):
     async def _on_reserve(self, req: m.ReserveRequest, msg: Msg) -> None:
         await self.rt.respond(msg, self.reserve(req))
 
+    def _refuse(self, t: m.AdmittedTicket, label: str, code: m.Code,
+                detail: str) -> m.ReserveRefused:
+        self.reservations.labels(label).inc()
+        return m.ReserveRefused(request_id=t.request_id,
+                                outcome=m.Outcome(code=code, detail=detail))
+
     def reserve(self, req: m.ReserveRequest) -> m.ReserveReply:
         t = req.ticket
         self.seen_requests.append(t.request_id)
@@ -125,93 +207,69 @@ class DecodeService(WorkerBase):
             self.verifier.verify(t)
         except TicketError as exc:
             self.ticket_refusals.labels(exc.reason.split(" ")[0]).inc()
-            self.reservations.labels("ticket_refused").inc()
-            return m.ReserveReply(ok=False, request_id=t.request_id, error=str(exc),
-                                  code=m.FailCode.TICKET_INVALID)
-        total = t.prompt_len + t.max_tokens
+            return self._refuse(t, "ticket_refused", m.Code.TICKET_INVALID, str(exc))
         refusal = decode_refusal(t.prompt_len, t.max_tokens, self.pool.capacity_tokens,
-                                 self.pool.spec.page_size, self.served_context)
+                                 self.pool.spec.page_tokens, self.served_context)
         if refusal:
             # Defence in depth: admission applies the same rules and should never send this.
-            self.reservations.labels("refused").inc()
-            return m.ReserveReply(ok=False, request_id=t.request_id, code=m.FailCode.REFUSED,
-                                  error=refusal)
+            return self._refuse(t, "refused", m.Code.REFUSED, refusal)
         if t.request_id in self.requests:
-            self.reservations.labels("refused").inc()
-            return m.ReserveReply(ok=False, request_id=t.request_id,
-                                  code=m.FailCode.RESERVE_FAILED, error="duplicate request id")
+            return self._refuse(t, "refused", m.Code.RESERVE_FAILED, "duplicate request id")
         try:
-            lease = self.pool.allocate(t.request_id, total)
+            lease = self.pool.allocate(t.request_id, t.prompt_len + t.max_tokens)
         except PoolExhaustedError as exc:
-            self.reservations.labels("pool_full").inc()
-            return m.ReserveReply(ok=False, request_id=t.request_id,
-                                  code=m.FailCode.RESERVE_FAILED, error=str(exc))
-        reservation_id = str(uuid.UUID(lease.lease_id))
-        dreq = DecodeRequest(ticket=t, lease=lease, reservation_id=reservation_id,
+            return self._refuse(t, "pool_full", m.Code.RESERVE_FAILED, str(exc))
+        dreq = DecodeRequest(ticket=t, lease=lease,
+                             reservation_id=str(uuid.UUID(lease.lease_id)),
                              sampler=Sampler(SamplingParams(
                                  temperature=req.sampling.temperature,
                                  top_p=req.sampling.top_p, seed=req.sampling.seed,
                                  max_tokens=t.max_tokens)))
         dreq.sampler.skip(1)  # prefill samples the first token
         self.requests[t.request_id] = dreq
-        prompt_pages = self._expect_kv(dreq)
+        self.intake.expect(self, dreq)
         self.reservations.labels("ok").inc()
-        return m.ReserveReply(ok=True, request_id=t.request_id, reservation_id=reservation_id,
-                              epoch=lease.epoch, page_ids=list(prompt_pages),
-                              page_tokens=self.pool.spec.page_size,
-                              page_bytes=self.pool.spec.bytes_per_page,
-                              data_address=self.data_address)
+        spec = self.pool.spec
+        return m.Reserved(request_id=t.request_id, reservation=m.Reservation(
+            reservation_id=dreq.reservation_id, epoch=lease.epoch,
+            page_ids=list(dreq.prompt_page_ids), page_tokens=spec.page_tokens,
+            page_bytes=spec.bytes_per_page, data_address=self.data_address))
 
-    def _expect_kv(self, dreq: DecodeRequest) -> tuple[int, ...]:
-        """Register the lease's prompt pages with the transport; return their page ids."""
-        t, lease = dreq.ticket, dreq.lease
-        n_prompt_pages = -(-t.prompt_len // self.pool.spec.page_size)
-        prompt_pages = lease.page_ids[:n_prompt_pages]
-        target = ExpectedTransfer(
-            reservation_id=dreq.reservation_id, epoch=lease.epoch, page_ids=prompt_pages,
-            page_buffers=[self.pool.page_buffer(lease, i) for i in range(n_prompt_pages)],
-            page_bytes=self.pool.spec.bytes_per_page, page_tokens=self.pool.spec.page_size,
-            num_tokens=t.prompt_len, deadline_s=self.cfg.transfer_deadline_s)
-        fut = self.transport.expect(target)
-        dreq.transfer_task = self.rt.spawn(self._await_transfer(dreq, fut),
-                                           f"transfer:{t.request_id}")
-        return prompt_pages
-
-    async def _await_transfer(self, dreq: DecodeRequest,
-                              fut: asyncio.Future[TransferResult]) -> None:
+    async def await_transfer(self, dreq: DecodeRequest,
+                             fut: asyncio.Future[TransferResult]) -> None:
         try:
             result = await fut
         except TransferError as exc:
             self.transfers.labels(exc.reason.name.lower()).inc()
-            if not dreq.state.is_terminal:
-                await self._end(dreq, RequestState.FAILED, m.FailCode.TRANSFER_FAILED,
-                                f"KV transfer failed: {exc}")
+            await self.end(dreq, m.Outcome(code=m.Code.TRANSFER_FAILED,
+                                           detail=f"KV transfer failed: {exc}"))
             return
-        if dreq.state.is_terminal:
+        if dreq.lifecycle.is_terminal:
             return
         # The commit was verified by the transport against this live lease; only now do
         # the pages count as written, so the engine's read check lets decode use them.
         if result.num_tokens != dreq.ticket.prompt_len or result.epoch != dreq.lease.epoch:
             self.transfers.labels("mismatch").inc()
-            await self._end(dreq, RequestState.FAILED, m.FailCode.TRANSFER_FAILED,
-                            f"commit of {result.num_tokens} tokens, expected "
-                            f"{dreq.ticket.prompt_len}")
+            await self.end(dreq, m.Outcome(
+                code=m.Code.TRANSFER_FAILED, detail=f"commit of {result.num_tokens} tokens, "
+                f"expected {dreq.ticket.prompt_len}"))
             return
-        page = self.pool.spec.page_size
+        page = self.pool.spec.page_tokens
         remaining = result.num_tokens
         for i in range(len(result.pages_written)):
             self.pool.mark_written(dreq.lease, i, min(page, remaining))
             remaining -= page
         self.transfers.labels("ok").inc()
         self.kv_bytes.labels("in").inc(result.bytes)
-        await self._start_decoding(dreq, result.first_token)
+        await self.start_decoding(dreq, result.first_token)
 
-    async def _start_decoding(self, dreq: DecodeRequest, first_token: int) -> None:
+    async def start_decoding(self, dreq: DecodeRequest, first_token: int) -> None:
         """The prompt's KV is in this lease and verified: publish the first token, decode."""
-        dreq.state = advance(dreq.request_id, dreq.state, RequestState.TRANSFERRED)
+        dreq.lifecycle.advance(RequestState.TRANSFERRED)
         await self._emit(dreq, first_token)
-        if not dreq.state.is_terminal:
-            dreq.state = advance(dreq.request_id, dreq.state, RequestState.DECODING)
+        if not dreq.lifecycle.is_terminal:
+            dreq.lifecycle.advance(RequestState.DECODING)
+            self.scheduler.add(dreq)
             self._work.set()
 
     # -- generation ---------------------------------------------------------------------
@@ -219,47 +277,44 @@ class DecodeService(WorkerBase):
         """Record and publish one token; finish the request when it is the last."""
         dreq.generated.append(token)
         self.tokens_out.inc()
-        finish: m.FinishReason | None = None
+        finish: m.Outcome | None = None
         if token in self.model.tokenizer.eos_token_ids:
-            finish = m.FinishReason.STOP
+            finish = m.FINISHED_STOP
         elif len(dreq.generated) >= dreq.ticket.max_tokens:
-            finish = m.FinishReason.LENGTH
-        await self.rt.publish(m.tokens_subject(dreq.request_id), m.TokenEvent(
-            request_id=dreq.request_id, seq=dreq.seq, token_ids=[token], finish=finish,
-            prompt_tokens=dreq.ticket.prompt_len))
+            finish = m.FINISHED_LENGTH
+        event = m.TokenEvent(request_id=dreq.request_id, seq=dreq.seq, token_ids=[token],
+                             finish=finish, prompt_tokens=dreq.ticket.prompt_len)
         dreq.seq += 1
-        if finish is not None:
-            await self._release(dreq, RequestState.FINISHED, "finished")
+        lease = dreq.finish(finish) if finish is not None else None
+        if lease is not None:
+            await self.conclude(dreq, lease, event)
+        else:
+            await self._tell(event)
 
     async def _decode_loop(self) -> None:
-        rr = 0  # round-robin start, so more than max_batch requests all make progress
         while True:
-            running = [r for r in self.requests.values() if r.state is RequestState.DECODING]
-            if not running:
+            batch = self.scheduler.next_batch()
+            if not batch:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            rr %= len(running)
-            batch = (running[rr:] + running[:rr])[: self.cfg.max_batch]
-            rr += len(batch)
             slots = [DecodeSlot(lease=r.lease, token_id=r.generated[-1], position=r.position)
                      for r in batch]
             for r in batch:
-                r.in_step = True
+                r.pinned = True
             try:
                 logits = await self.compute(self.engine.decode_step, slots)
-            except Exception as exc:  # noqa: BLE001 - fail the batch, keep the service
+            except Exception as exc:
                 log.exception("decode step failed")
+                logits = None
                 for r in batch:
-                    r.in_step = False
-                    await self._end(r, RequestState.FAILED, m.FailCode.INTERNAL,
-                                    f"decode step failed: {exc}")
-                continue
+                    r.finish(m.Outcome(code=m.Code.INTERNAL,
+                                       detail=f"decode step failed: {exc}"))
             for i, r in enumerate(batch):
-                r.in_step = False
-                if r.end_after_step is not None:
-                    await self._end(r, *r.end_after_step)
-                elif not r.state.is_terminal:
+                lease = r.unpin()
+                if lease is not None:  # ended during the step (or by it)
+                    await self.conclude(r, lease)
+                elif logits is not None:
                     await self._emit(r, r.sampler.sample(logits[i]))
             await asyncio.sleep(0)  # let transport and NATS callbacks run between steps
 
@@ -267,37 +322,42 @@ class DecodeService(WorkerBase):
     async def _on_release(self, rel: m.Release, _msg: Msg) -> None:
         dreq = self.requests.get(rel.request_id)
         if dreq is not None and dreq.reservation_id == rel.reservation_id:
-            await self._end(dreq, RequestState.FAILED, rel.code,
-                            f"released by peer: {rel.detail}")
+            await self.end(dreq, peer_ending(rel.outcome, "released by peer: "))
 
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
         dreq = self.requests.get(ab.request_id)
         if dreq is not None:
-            await self._end(dreq, RequestState.ABORTED, ab.code, ab.detail or "aborted")
+            await self.end(dreq, peer_ending(ab.outcome, ""))
 
-    async def _end(self, dreq: DecodeRequest, state: RequestState, code: m.FailCode,
-                   detail: str) -> None:
-        """End a live request as ABORTED/FAILED: tell the client, fence, free the lease."""
-        if dreq.state.is_terminal:
-            return
-        if dreq.in_step:
-            dreq.end_after_step = (state, code, detail)
-            return
-        dreq.state = state  # terminal at once: a second abort or release is a no-op
-        await self.rt.publish(m.tokens_subject(dreq.request_id), m.TokenEvent(
-            request_id=dreq.request_id, seq=dreq.seq, fail_code=code, detail=detail))
-        await self._release(dreq, state, m.FailCode(code).name.lower())
+    async def end(self, dreq: DecodeRequest, outcome: m.Outcome) -> None:
+        """End a live request as ABORTED/FAILED: free the lease (after the engine's step if
+        it is pinned), then tell the client. A second end is a no-op."""
+        lease = dreq.finish(outcome)
+        if lease is not None:
+            await self.conclude(dreq, lease)
 
-    async def _release(self, dreq: DecodeRequest, state: RequestState, cause: str) -> None:
-        dreq.state = state
+    async def conclude(self, dreq: DecodeRequest, lease: Lease,
+                        event: m.TokenEvent | None = None) -> None:
+        """Free an ended request's lease, then publish its last event (the final token, or
+        the failure). Release before telling: a failed publish cannot leak the lease."""
+        outcome = dreq.lifecycle.outcome
+        assert outcome is not None
+        self.scheduler.discard(dreq)
         # Fence before the pages can be leased again: after this no late frame for this
         # reservation can land in them (the next lease of the same pages is safe).
         await self.transport.fence(dreq.reservation_id)
         if dreq.transfer_task is not None and dreq.transfer_task is not asyncio.current_task():
             dreq.transfer_task.cancel()
-        self.pool.release(dreq.lease, cause)
-        self.releases.labels(cause).inc()
+        self.pool.release(lease, outcome.label)
+        self.releases.labels(outcome.label).inc()
         self.requests.pop(dreq.request_id, None)
+        await self._tell(event or m.StreamFailed(request_id=dreq.request_id, outcome=outcome))
+
+    async def _tell(self, event: m.TokenEvent | m.StreamFailed) -> None:
+        try:
+            await self.rt.publish(m.tokens_subject(event.request_id), event)
+        except (nats.errors.Error, OSError) as exc:
+            log.error("publishing to the stream of %s failed: %s", event.request_id, exc)
 
 
 async def serve(cfg: ServiceConfig) -> None:

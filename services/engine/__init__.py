@@ -1,22 +1,11 @@
-"""Torch Llama engine over the paged KV pool, model loaders and the reference engine."""
+"""Torch Llama engine over the paged KV pool, model loaders and the reference engine.
 
-from services.engine.config import ModelConfig
-from services.engine.models import LoadedModel, load_model
-from services.engine.reference import ReferenceEngine
-from services.engine.runner import DecodeSlot, Engine, make_pool, pool_spec_for
-from services.engine.sampling import Sampler, SamplingParams
-from services.engine.tokenizer import Tokenizer
+Import the modules themselves; this package imports nothing, so that the torch-free ones
+(`config`, `tokenizer`, `checkpoint`) load without torch, as the gateway needs:
 
-__all__ = [
-    "DecodeSlot",
-    "Engine",
-    "LoadedModel",
-    "ModelConfig",
-    "ReferenceEngine",
-    "Sampler",
-    "SamplingParams",
-    "Tokenizer",
-    "load_model",
-    "make_pool",
-    "pool_spec_for",
-]
+- `config` (ModelConfig), `tokenizer` (Tokenizer, ByteTokenizer, HFTokenizer),
+  `checkpoint` (model specs, smollm2 fetch, geometry and tokenizer from metadata): no torch;
+- `model` (Llama math, LoadedModel), `tiny`, `gguf_loader`, `safetensors_loader`,
+  `models` (load_model), `runner` (Engine, make_pool), `reference` (ReferenceEngine),
+  `sampling` (Sampler): torch.
+"""

@@ -1,4 +1,4 @@
-"""Model geometry shared by every loader."""
+"""Model geometry shared by every loader (torch-free)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,3 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
-
-    def kv_bytes_per_token(self, element_size: int = 4) -> int:
-        return self.n_layers * 2 * self.kv_dim * element_size

@@ -26,7 +26,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.engine.config import ModelConfig
+from pdmesh.services.engine.config import ModelConfig
+from pdmesh.services.engine.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512
 DECODE_TILE = 16
@@ -59,6 +60,16 @@ class ModelWeights:
         layers = [LayerWeights(**{k: move(v) for k, v in vars(layer).items()})
                   for layer in self.layers]
         return ModelWeights(move(self.embed), layers, move(self.norm), move(self.lm_head))
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: what every loader returns (`models.load_model`)."""
+
+    config: ModelConfig
+    weights: ModelWeights
+    tokenizer: Tokenizer
+    name: str
 
 
 class KVView(Protocol):

@@ -7,15 +7,10 @@ no pages. Paged, disaggregated output must equal its output token for token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from services.engine.model import ContiguousKV, LlamaModel, prefill_windows
-from services.engine.sampling import Sampler, SamplingParams
-
-if TYPE_CHECKING:
-    from services.engine.models import LoadedModel
+from pdmesh.services.engine.model import ContiguousKV, LlamaModel, LoadedModel, prefill_windows
+from pdmesh.services.engine.sampling import Sampler, SamplingParams
 
 
 class ReferenceEngine:

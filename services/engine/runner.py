@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore import KVPool, Lease, LeaseAccessError, PoolSpec, ScrubPolicy
-from services.engine.model import DECODE_TILE, PREFILL_CHUNK, LlamaModel, prefill_windows
-
-if TYPE_CHECKING:
-    from services.engine.models import LoadedModel
+from pdmesh.kvstore import KVPool, Lease, LeaseAccessError, PoolSpec, ScrubPolicy
+from pdmesh.kvstore.spec import pages_for
+from pdmesh.services.engine.model import (
+    DECODE_TILE,
+    PREFILL_CHUNK,
+    LlamaModel,
+    LoadedModel,
+    prefill_windows,
+)
 
 
 @dataclass(frozen=True)
@@ -35,13 +38,13 @@ class PagedKV:
 
     def __init__(self, pool: KVPool, lease: Lease) -> None:
         self.tensor = pool.tensor
-        self.page_size = pool.spec.page_size
+        self.page_tokens = pool.spec.page_tokens
         self.lease = lease
         self.page_ids = lease.page_ids
         self.page_index = lease.page_index
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        size, pos, end, row = self.page_size, start, start + k.shape[0], 0
+        size, pos, end, row = self.page_tokens, start, start + k.shape[0], 0
         while pos < end:
             page, offset = divmod(pos, size)
             count = min(size - offset, end - pos)
@@ -51,7 +54,7 @@ class PagedKV:
             pos, row = pos + count, row + count
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        num_pages = -(-length // self.page_size)
+        num_pages = pages_for(length, self.page_tokens)
         index = self.page_index[:num_pages]
         keys = self.tensor[:, layer, 0].index_select(0, index)
         values = self.tensor[:, layer, 1].index_select(0, index)
@@ -60,22 +63,22 @@ class PagedKV:
 
 
 def pool_spec_for(
-    model: LoadedModel, num_pages: int, page_size: int = 16, dtype: torch.dtype = torch.float32
+    model: LoadedModel, num_pages: int, page_tokens: int = 16, dtype: torch.dtype = torch.float32
 ) -> PoolSpec:
     cfg = model.config
     return PoolSpec(num_layers=cfg.n_layers, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                    page_size=page_size, num_pages=num_pages, dtype=dtype)
+                    page_tokens=page_tokens, num_pages=num_pages, dtype=dtype)
 
 
 def make_pool(
     model: LoadedModel,
     num_pages: int,
-    page_size: int = 16,
+    page_tokens: int = 16,
     scrub: ScrubPolicy | str = ScrubPolicy.NONE,
     device: str = "cpu",
 ) -> KVPool:
     """A KVPool whose geometry matches `model` (fp32: the engine computes in fp32)."""
-    return KVPool(pool_spec_for(model, num_pages, page_size), scrub=scrub, device=device)
+    return KVPool(pool_spec_for(model, num_pages, page_tokens), scrub=scrub, device=device)
 
 
 class Engine:
@@ -100,18 +103,7 @@ class Engine:
         """Granularity of prefix-cache reuse: whole pages *and* whole prefill chunks, so a
         prefill that starts after a cached prefix runs the same chunk shapes, hence the
         same bits, as one that starts at 0 (see model.py, batch invariance)."""
-        return math.lcm(self.pool.spec.page_size, PREFILL_CHUNK)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.pool.spec.bytes_per_token
-
-    @property
-    def max_context(self) -> int:
-        return self.config.max_context
-
-    def pool_spec_for(self, num_pages: int, page_size: int) -> PoolSpec:
-        return pool_spec_for(self.loaded, num_pages, page_size)
+        return math.lcm(self.pool.spec.page_tokens, PREFILL_CHUNK)
 
     @torch.inference_mode()
     def prefill(self, lease: Lease, token_ids: list[int], start_position: int = 0) -> torch.Tensor:

@@ -1,61 +1,22 @@
 """Load a Llama checkpoint directory: config.json + *.safetensors + tokenizer.json
 (+ optional tokenizer_config.json for the chat template, generation_config.json for eos).
-HF weights are already in the rotate-half RoPE layout our model uses."""
+HF weights are already in the rotate-half RoPE layout our model uses. The geometry and the
+tokenizer come from the JSON files (`checkpoint`, no torch)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
-from services.engine.config import ModelConfig
-from services.engine.model import LayerWeights, ModelWeights
-from services.engine.models import LoadedModel
-from services.engine.tokenizer import HFTokenizer
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _eos_ids(directory: Path, hf: dict, core: Tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (hf, _read_json(directory / "generation_config.json")):
-        value = source.get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    tok_config = _read_json(directory / "tokenizer_config.json")
-    eos = tok_config.get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos, str) and core.token_to_id(eos) is not None:
-        ids.add(core.token_to_id(eos))
-    return ids
+from pdmesh.services.engine.checkpoint import checkpoint_config, load_safetensors_tokenizer
+from pdmesh.services.engine.model import LayerWeights, LoadedModel, ModelWeights
 
 
 def load_safetensors(directory: str | Path) -> LoadedModel:
     directory = Path(directory)
-    hf = _read_json(directory / "config.json")
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"unsupported model_type {hf.get('model_type')!r} (only 'llama')")
-    n_heads = int(hf["num_attention_heads"])
-    dim = int(hf["hidden_size"])
-    config = ModelConfig(
-        vocab_size=int(hf["vocab_size"]),
-        dim=dim,
-        n_layers=int(hf["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or dim // n_heads),
-        ffn_dim=int(hf["intermediate_size"]),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        max_context=int(hf.get("max_position_embeddings", 2048)),
-    )
+    config = checkpoint_config(directory)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors file in {directory}")
@@ -85,13 +46,3 @@ def load_safetensors(directory: str | Path) -> LoadedModel:
     weights = ModelWeights(embed=embed, layers=layers, norm=get("model.norm.weight"),
                            lm_head=lm_head)
     return LoadedModel(config, weights, load_safetensors_tokenizer(directory), directory.name)
-
-
-def load_safetensors_tokenizer(directory: str | Path) -> HFTokenizer:
-    """Only the tokenizer of a checkpoint directory (tokenizer.json + configs)."""
-    directory = Path(directory)
-    hf = _read_json(directory / "config.json")
-    core = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tok_config = _read_json(directory / "tokenizer_config.json")
-    return HFTokenizer(core, _eos_ids(directory, hf, core),
-                       chat_template=tok_config.get("chat_template"))

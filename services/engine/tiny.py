@@ -1,4 +1,5 @@
-"""The `tiny` model: fixed config, weights generated from a seed, byte-level tokenizer.
+"""The `tiny` model: fixed config and weights generated from a seed; its tokenizer is the
+byte-level `tokenizer.ByteTokenizer` (torch-free, for the gateway).
 
 Sized so an 8k-token prompt prefills in a few seconds on 2 CPU cores; the test suite and
 long-prompt load tests use it. Same seed, same bits, on every machine with this torch.
@@ -8,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.config import ModelConfig
-from services.engine.model import LayerWeights, ModelWeights
-from services.engine.tokenizer import ByteTokenizer
+from pdmesh.services.engine.config import ModelConfig
+from pdmesh.services.engine.model import LayerWeights, ModelWeights
 
 TINY_SEED = 20261027
 TINY_CONFIG = ModelConfig(
@@ -53,7 +53,3 @@ def tiny_weights(config: ModelConfig = TINY_CONFIG, seed: int = TINY_SEED) -> Mo
     embed = normal(config.vocab_size, dim, std=1.0)
     lm_head = normal(config.vocab_size, dim, std=2.0 * dim ** -0.5)
     return ModelWeights(embed=embed, layers=layers, norm=norm_weight(), lm_head=lm_head)
-
-
-def tiny_tokenizer() -> ByteTokenizer:
-    return ByteTokenizer()

@@ -1,5 +1,6 @@
 """Tokenizers: the Protocol the services use, a byte-level one for `tiny`, and a wrapper
-around a `tokenizers.Tokenizer` (built from GGUF metadata or a tokenizer.json)."""
+around a `tokenizers.Tokenizer` (built from GGUF metadata or a tokenizer.json by
+`checkpoint`). Imports without torch: the gateway uses it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from tokenizers import Tokenizer as HFTokenizerCore
+
+try:  # jinja2 is a dependency; without it, the documented fallback (ChatML) applies
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+except ImportError:  # pragma: no cover - only in an install without jinja2
+    TemplateError = ImmutableSandboxedEnvironment = None  # type: ignore[assignment,misc]
 
 
 @runtime_checkable
@@ -115,14 +122,11 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - any refusal by the template is the client's
             raise ChatTemplateError(str(exc)) from None
 
-    def _compiled(self):  # noqa: ANN202 - jinja2 Template or None
+    def _compiled(self):
         if not self.chat_template:
             return None
         if self._template is None:
-            try:
-                from jinja2 import TemplateError
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-            except ImportError:  # jinja2 is a dependency; without it, the documented fallback
+            if ImmutableSandboxedEnvironment is None:
                 return None
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 

@@ -4,7 +4,8 @@ Per request: ADMITTED (dispatch received, ticket verified) -> PREFILLING (lease 
 worker's pool, prompt running) -> TRANSFERRED (decode acked the verified commit), or
 ABORTED / FAILED. Whenever prefill gives up on a request it tells decode at once with a
 `Release` so decode frees its lease within a second (I6): no cleanup path waits out a timeout.
-Prefill runs one prompt at a time in FIFO order; its own lease is freed in `_run`'s finally.
+The queueing policy is `PrefillQueue` (FIFO, one prompt at a time); this worker's own lease
+is freed in `_run`'s finally.
 
 Prefix cache (I7): the lease starts with the longest cached page-aligned prefix of the
 prompt *under the ticket's cache salt* (server-side, per tenant; clients cannot set it),
@@ -15,27 +16,47 @@ pages join the cache under that salt. Decode still receives every prompt page, v
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import logging
-import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
-from kvstore import Lease, PoolExhaustedError, PrefixCache
-from services import messages as m
-from services.capacity import prefill_refusal
-from services.config import ServiceConfig
-from services.engine.sampling import Sampler, SamplingParams
-from services.faults import REQUEST_FAULTS, data_plane_plan
-from services.errors import TicketError
-from services.lifecycle import RequestState, advance
-from services.runtime import counter_total
-from services.worker import WorkerBase, run_worker
-from transports import TransferAck, TransferError, TransferPlan
+from pdmesh.kvstore import Lease, PoolExhaustedError, PrefixCache
+from pdmesh.kvstore.spec import pages_for
+from pdmesh.services import faults
+from pdmesh.services import messages as m
+from pdmesh.services.capacity import prefill_refusal
+from pdmesh.services.config import ServiceConfig
+from pdmesh.services.engine.sampling import Sampler, SamplingParams
+from pdmesh.services.errors import TicketError
+from pdmesh.services.lifecycle import Lifecycle, RequestState
+from pdmesh.services.prefill.scheduler import PrefillQueue
+from pdmesh.services.runtime import counter_total
+from pdmesh.services.worker import WorkerBase, run_worker
+from pdmesh.transports import KVTransport, TransferError, TransferPlan
+
+# What prefill does with a dispatch before its own gate (production: take it as it came;
+# a test mesh injects its fault intake, services/faults.py).
+DispatchIntake = Callable[[m.PrefillDispatch, Mapping[str, str] | None],
+                          m.PrefillDispatch | None]
+
+
+def transfer_plan(d: m.PrefillDispatch, first_token: int, deadline_s: float) -> TransferPlan:
+    """The decode reservation of a dispatch, as the transport's plan: the one conversion."""
+    r = d.reservation
+    return TransferPlan(reservation_id=r.reservation_id, epoch=r.epoch,
+                        dest_page_ids=tuple(r.page_ids), num_tokens=len(d.prompt_ids),
+                        page_tokens=r.page_tokens, page_bytes=r.page_bytes,
+                        first_token=first_token, deadline_s=deadline_s)
+
+
+def sampler_for(sampling: m.Sampling, max_tokens: int) -> Sampler:
+    return Sampler(SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                  seed=sampling.seed, max_tokens=max_tokens))
+
 
 log = logging.getLogger("pdmesh.prefill")
 
@@ -43,27 +64,26 @@ log = logging.getLogger("pdmesh.prefill")
 @dataclass(eq=False)
 class PrefillJob:
     dispatch: m.PrefillDispatch
-    state: RequestState = RequestState.ADMITTED
+    lifecycle: Lifecycle = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lifecycle = Lifecycle(self.request_id, RequestState.ADMITTED)
 
     @property
     def request_id(self) -> str:
         return self.dispatch.ticket.request_id
 
 
-class _SilentFailure(Exception):
-    """Test fault `silent_prefill`: fail without telling decode (its deadline must hold)."""
-
-
 class PrefillService(WorkerBase):
     role = m.Role.PREFILL
 
-    def __init__(self, cfg: ServiceConfig) -> None:
-        super().__init__(cfg)
-        self.queue: collections.deque[PrefillJob] = collections.deque()
-        self.jobs: dict[str, PrefillJob] = {}
+    def __init__(self, cfg: ServiceConfig, transport: KVTransport | None = None,
+                 intake: DispatchIntake = faults.accept_dispatch) -> None:
+        super().__init__(cfg, transport)
+        self.intake = intake
+        self.queue: PrefillQueue[PrefillJob] = PrefillQueue()
         self._work = asyncio.Event()
         self._freed = asyncio.Event()
-        self.request_faults = REQUEST_FAULTS in cfg.fault_set  # test meshes only
         r = self.rt.registry
         self.dispatches = Counter("pdmesh_prefill_dispatches_total", "Dispatches by outcome",
                                   ["outcome"], registry=r)
@@ -92,10 +112,10 @@ class PrefillService(WorkerBase):
         self.rt.spawn(self._loop(), "prefill-loop")
 
     def queue_depth(self) -> int:
-        return len(self.queue)
+        return self.queue.depth
 
     def active_requests(self) -> int:
-        return len(self.jobs)
+        return len(self.queue)
 
     def counters(self) -> dict[str, float]:
         return {"dispatches": counter_total(self.dispatches),
@@ -108,24 +128,32 @@ class PrefillService(WorkerBase):
                 "prefix_cache_pages": float(self.prefix_cache.num_pages)}
 
     # -- intake -------------------------------------------------------------------------
-    async def _on_dispatch(self, d: m.PrefillDispatch, _msg: Msg) -> None:
+    async def _on_dispatch(self, d: m.PrefillDispatch, msg: Msg) -> None:
+        dispatch = self.intake(d, msg.headers)
+        if dispatch is None:
+            return
+        await self.accept(dispatch)
+
+    async def accept(self, d: m.PrefillDispatch) -> None:
+        """Verify and queue one dispatch, or give it up (decode and the client told)."""
         rid = d.ticket.request_id
         self.seen_requests.append(rid)
         try:
             self.verifier.verify(d.ticket, prompt_len=len(d.prompt_ids))
         except TicketError as exc:
             self.ticket_refusals.labels(exc.reason.split(" ")[0]).inc()
-            await self._give_up(d, m.FailCode.TICKET_INVALID, str(exc), "ticket_refused")
+            await self._give_up(d, m.Outcome(code=m.Code.TICKET_INVALID, detail=str(exc)),
+                                "ticket_refused")
             return
         problem = self._recheck(d)
-        if self.request_faults and d.fault == "prefill_reject":
-            problem = "test fault prefill_reject: prefill refuses what admission admitted"
         if problem:
-            await self._give_up(d, m.FailCode.PREFILL_REJECTED, problem, "rejected")
+            await self._give_up(d, m.Outcome(code=m.Code.PREFILL_REJECTED, detail=problem),
+                                "rejected")
             return
-        job = PrefillJob(d)
-        self.jobs[rid] = job
-        self.queue.append(job)
+        if self.queue.get(rid) is not None:
+            log.warning("duplicate dispatch for %s ignored", rid)
+            return
+        self.queue.push(PrefillJob(d))
         self.dispatches.labels("queued").inc()
         self._work.set()
 
@@ -133,136 +161,118 @@ class PrefillService(WorkerBase):
         """Prefill's own gate, independent of admission (defence in depth)."""
         n = len(d.prompt_ids)
         vocab = self.model.tokenizer.vocab_size
-        refusal = prefill_refusal(n, self.pool.capacity_tokens, self.pool.spec.page_size,
+        refusal = prefill_refusal(n, self.pool.capacity_tokens, self.pool.spec.page_tokens,
                                   self.served_context)
         if refusal:
             return refusal
         if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:
             return f"token id out of range 0..{vocab - 1}"
-        if len(d.page_ids) != -(-n // d.page_tokens) or d.page_tokens != self.pool.spec.page_size:
+        r = d.reservation
+        if r.page_tokens != self.pool.spec.page_tokens or len(r.page_ids) != pages_for(
+                n, r.page_tokens):
             return "reservation does not match the prompt's pages"
         return ""
 
-    async def _give_up(self, d: m.PrefillDispatch, code: m.FailCode, detail: str,
-                       outcome: str) -> None:
-        """Tell decode to free its reservation now and the client why (I6)."""
-        self.dispatches.labels(outcome).inc()
-        log.warning("prefill gives up on %s: %s", d.ticket.request_id, detail)
-        await self.rt.publish(m.release_subject(d.ticket.decode_worker), m.Release(
-            request_id=d.ticket.request_id, reservation_id=d.reservation_id, code=code,
-            detail=detail))
-        await self.rt.publish(m.tokens_subject(d.ticket.request_id), m.TokenEvent(
-            request_id=d.ticket.request_id, seq=0, fail_code=code, detail=detail))
+    async def _give_up(self, d: m.PrefillDispatch, outcome: m.Outcome, label: str) -> None:
+        """Tell decode to free its reservation now and the client why (I6). A failed
+        publish is logged, never raised: the prefill loop must outlive it."""
+        self.dispatches.labels(label).inc()
+        rid = d.ticket.request_id
+        log.warning("prefill gives up on %s: %s", rid, outcome.detail)
+        try:
+            await self.rt.publish(m.release_subject(d.ticket.decode_worker), m.Release(
+                request_id=rid, reservation_id=d.reservation.reservation_id, outcome=outcome))
+            await self.rt.publish(m.tokens_subject(rid),
+                                  m.StreamFailed(request_id=rid, outcome=outcome))
+        except (nats.errors.Error, OSError) as exc:
+            log.error("telling decode and the client about %s failed: %s", rid, exc)
 
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
-        job = self.jobs.get(ab.request_id)
-        if job is not None and not job.state.is_terminal:
-            job.state = RequestState.ABORTED  # the loop skips or stops it at the next await
+        job = self.queue.get(ab.request_id)
+        if job is not None:
+            # The loop skips it (queued) or stops it at its next await (running).
+            job.lifecycle.finish(ab.outcome)
 
     # -- work ---------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            if not self.queue:
+            job = self.queue.pop()
+            if job is None:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            job = self.queue.popleft()
             try:
                 await self._run(job)
             finally:
-                self.jobs.pop(job.request_id, None)
+                self.queue.done(job)
 
     async def _run(self, job: PrefillJob) -> None:
-        d = job.dispatch
-        if job.state.is_terminal:  # aborted while queued: decode heard the abort too
+        d, life = job.dispatch, job.lifecycle
+        if life.is_terminal:  # aborted while queued: decode heard the abort too
             self.dispatches.labels("aborted").inc()
             return
         lease = None
+        failure: tuple[m.Outcome, str] | None = None
         try:
             lease = await self._allocate(job)
             cached = lease.cached_tokens
             self.cache_queries.inc()
             self.cache_hits.inc(cached)
-            job.state = advance(job.request_id, job.state, RequestState.PREFILLING)
+            life.advance(RequestState.PREFILLING)
             self.bootstraps.inc()
             logits = await self.compute(self.engine.prefill, lease, d.prompt_ids[cached:],
                                         cached)
             self.prompt_tokens.inc(len(d.prompt_ids) - cached)
-            if job.state.is_terminal:
+            if life.is_terminal:
                 return
             self.prefix_cache.insert(d.ticket.cache_salt, d.prompt_ids, lease)
-            sampler = Sampler(SamplingParams(temperature=d.sampling.temperature,
-                                             top_p=d.sampling.top_p, seed=d.sampling.seed,
-                                             max_tokens=d.ticket.max_tokens))
-            first = sampler.sample(logits)
+            first = sampler_for(d.sampling, d.ticket.max_tokens).sample(logits)
             await self._report_cached(d, cached)
-            plan = TransferPlan(reservation_id=d.reservation_id, epoch=d.epoch,
-                                dest_page_ids=tuple(d.page_ids), num_tokens=len(d.prompt_ids),
-                                page_tokens=d.page_tokens, page_bytes=d.page_bytes,
-                                first_token=first, deadline_s=self.cfg.transfer_deadline_s)
+            plan = transfer_plan(d, first, self.cfg.transfer_deadline_s)
             # Read-only views: cached pages may be read (pinned) but never written.
-            buffers = [self.pool.page_view(lease, i) for i in range(len(d.page_ids))]
-            ack = await self._send(d, plan, buffers)
+            buffers = [self.pool.page_view(lease, i) for i in range(plan.num_pages)]
+            ack = await self.transport.send(d.reservation.data_address, plan, buffers)
             self.kv_bytes.labels("out").inc(ack.bytes)
             self.transfers.labels("ok").inc()
-            if not job.state.is_terminal:  # an abort during the send already ended it
-                job.state = advance(job.request_id, job.state, RequestState.TRANSFERRED)
-        except _SilentFailure:
-            job.state = RequestState.FAILED  # test fault: decode is deliberately not told
+            if not life.is_terminal:  # an abort during the send already ended it
+                life.advance(RequestState.TRANSFERRED)
         except TransferError as exc:
             self.transfers.labels(exc.reason.name.lower()).inc()
-            job.state = RequestState.FAILED
-            await self._give_up(d, m.FailCode.TRANSFER_FAILED, f"KV transfer failed: {exc}",
-                                "transfer_failed")
+            failure = self._fail(life, m.Code.TRANSFER_FAILED, f"KV transfer failed: {exc}",
+                                 "transfer_failed")
         except PoolExhaustedError as exc:
-            job.state = RequestState.FAILED
-            await self._give_up(d, m.FailCode.PREFILL_REJECTED, str(exc), "pool_full")
-        except Exception as exc:  # noqa: BLE001 - fail this request, keep the service
+            failure = self._fail(life, m.Code.PREFILL_REJECTED, str(exc), "pool_full")
+        except Exception as exc:
             log.exception("prefill of %s failed", job.request_id)
-            job.state = RequestState.FAILED
-            await self._give_up(d, m.FailCode.INTERNAL, f"prefill failed: {exc}", "error")
+            failure = self._fail(life, m.Code.INTERNAL, f"prefill failed: {exc}", "error")
         finally:
+            # Release before telling: this worker's pages are back before anyone hears.
             if lease is not None:
-                self.pool.release(lease, job.state.name.lower())
+                self.pool.release(lease, life.outcome.label if life.outcome
+                                  else life.state.name.lower())
                 self._freed.set()
+        if failure is not None:
+            await self._give_up(d, *failure)
+
+    @staticmethod
+    def _fail(life: Lifecycle, code: m.Code, detail: str,
+              label: str) -> tuple[m.Outcome, str] | None:
+        """End the request as failed; what to tell decode and the client (None when an
+        abort had already ended it: they know)."""
+        outcome = m.Outcome(code=code, detail=detail)
+        return (outcome, label) if life.finish(outcome) else None
 
     async def _report_cached(self, d: m.PrefillDispatch, cached: int) -> None:
-        """Info event (seq -1) for the gateway's usage.prompt_tokens_details.cached_tokens,
-        flushed before the KV goes out so that it reaches the gateway before decode's first
-        token (the gateway ignores info events after the stream ended)."""
-        await self.rt.publish(m.tokens_subject(d.ticket.request_id), m.TokenEvent(
-            request_id=d.ticket.request_id, seq=-1, prompt_tokens=len(d.prompt_ids),
-            cached_tokens=cached))
+        """Info event for the gateway's usage.prompt_tokens_details.cached_tokens, flushed
+        before the KV goes out so that it reaches the gateway before decode's first token
+        (the gateway ignores info events after the stream ended)."""
+        rid = d.ticket.request_id
         try:
+            await self.rt.publish(m.tokens_subject(rid), m.PrefixCacheInfo(
+                request_id=rid, prompt_tokens=len(d.prompt_ids), cached_tokens=cached))
             await self.rt.nc.flush(timeout=1)
         except (nats.errors.Error, TimeoutError) as exc:  # only the usage figure is at stake
-            log.warning("flushing the cache info event of %s failed: %s",
-                        d.ticket.request_id, exc)
-
-    async def _send(self, d: m.PrefillDispatch, plan: TransferPlan,
-                    buffers: list[memoryview]) -> TransferAck:
-        """Send the KV; with a test fault enabled for this request, send it wrong."""
-        fault = d.fault if self.request_faults else ""
-        if not fault:
-            return await self.transport.send(d.data_address, plan, buffers)
-        if fault == "stub_transfer":
-            # The incident: a "rejected" prompt replaced by a 1-token stub, handed off anyway.
-            plan = dataclasses.replace(plan, num_tokens=1, dest_page_ids=plan.dest_page_ids[:1])
-            buffers = buffers[:1]
-        elif fault == "stale_epoch":
-            plan = dataclasses.replace(plan, epoch=plan.epoch + 1)
-        elif fault == "foreign_reservation":
-            plan = dataclasses.replace(plan, reservation_id=str(uuid.uuid4()))
-        elif fault == "silent_prefill":
-            raise _SilentFailure()
-        faults = data_plane_plan(fault, len(buffers), plan.page_bytes)
-        # Prefill sends one transfer at a time (its loop is serial), so setting the
-        # transport's fault plan around this one send affects no other request.
-        self.transport.faults = faults  # type: ignore[attr-defined]
-        try:
-            return await self.transport.send(d.data_address, plan, buffers)
-        finally:
-            self.transport.faults = None  # type: ignore[attr-defined]
+            log.warning("flushing the cache info event of %s failed: %s", rid, exc)
 
     async def _allocate(self, job: PrefillJob) -> Lease:
         """Lease pages for the prompt, reusing this tenant's cached prefix (evicting other
@@ -275,7 +285,7 @@ class PrefillService(WorkerBase):
                 return self.prefix_cache.allocate(job.request_id, d.ticket.cache_salt,
                                                   d.prompt_ids)
             except PoolExhaustedError:
-                if loop.time() >= deadline or job.state.is_terminal:
+                if loop.time() >= deadline or job.lifecycle.is_terminal:
                     raise
                 self._freed.clear()
                 try:
@@ -285,4 +295,5 @@ class PrefillService(WorkerBase):
 
 
 async def serve(cfg: ServiceConfig) -> None:
-    await run_worker(PrefillService(cfg))
+    transport, intake = faults.prefill_wiring(cfg)
+    await run_worker(PrefillService(cfg, transport, intake))

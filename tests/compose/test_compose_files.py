@@ -19,8 +19,8 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from services.config import SETTINGS
-from services.topology import mesh_services
+from pdmesh.services.config import SETTINGS
+from pdmesh.services.topology import mesh_services
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose"
@@ -177,7 +177,9 @@ def test_dockerfile_copies_every_packaged_module() -> None:
     """The image copies the project module by module (no .venv, no .git in a layer): a new
     package in pyproject.toml must get its COPY line too."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    wanted = [p.rstrip("*") for p in setuptools["packages"]["find"]["include"]]
+    # Installed as pdmesh.<name> from the top-level folder package-dir maps it to.
+    wanted = sorted(set(setuptools["package-dir"].values()))
+    assert wanted and all(p.startswith("pdmesh.") for p in setuptools["packages"])
     wanted += [f"{m}.py" for m in setuptools.get("py-modules", [])]
     copies = [line.split()[1:-1] for line in (COMPOSE / "Dockerfile").read_text().splitlines()
               if line.startswith("COPY ") and "--from" not in line]

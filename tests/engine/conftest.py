@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.models import LoadedModel, load_model
+from pdmesh.services.engine.models import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")

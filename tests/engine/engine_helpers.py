@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore import KVPool, Lease
-from services.engine.runner import DecodeSlot, Engine
-from services.engine.sampling import Sampler, SamplingParams
+from pdmesh.kvstore import KVPool, Lease
+from pdmesh.services.engine.runner import DecodeSlot, Engine
+from pdmesh.services.engine.sampling import Sampler, SamplingParams
 
 
 def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from engine_helpers import batched_generate, prompt
 
-from kvstore import KVPool, LeaseAccessError, ScrubPolicy
-from services.engine.reference import ReferenceEngine
-from services.engine.runner import DecodeSlot, Engine, make_pool
-from services.engine.sampling import SamplingParams
+from pdmesh.kvstore import KVPool, LeaseAccessError, PoolSpec, ScrubPolicy
+from pdmesh.services.engine.reference import ReferenceEngine
+from pdmesh.services.engine.runner import DecodeSlot, Engine, make_pool
+from pdmesh.services.engine.sampling import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8)
 # Mixed lengths, including ones that cross page (16) and prefill-chunk (512) boundaries.
@@ -35,7 +35,7 @@ def test_outputs_depend_on_the_prompt(expected) -> None:
 
 
 def test_alone_equals_batched_with_15_others(tiny, prompts, expected) -> None:
-    pool = make_pool(tiny, num_pages=400, page_size=16)
+    pool = make_pool(tiny, num_pages=400, page_tokens=16)
     engine = Engine(tiny, pool)
     alone = batched_generate(engine, prompts[:1], PARAMS)[0]
     together = batched_generate(engine, prompts, PARAMS)
@@ -47,8 +47,8 @@ def test_alone_equals_batched_with_15_others(tiny, prompts, expected) -> None:
 
 def test_disaggregated_equals_reference(tiny, prompts, expected) -> None:
     """Prefill on pool A, copy prompt pages byte for byte into pool B, decode there."""
-    prefill_pool = make_pool(tiny, num_pages=200, page_size=16, scrub=ScrubPolicy.POISON)
-    decode_pool = make_pool(tiny, num_pages=400, page_size=16, scrub=ScrubPolicy.POISON)
+    prefill_pool = make_pool(tiny, num_pages=200, page_tokens=16, scrub=ScrubPolicy.POISON)
+    decode_pool = make_pool(tiny, num_pages=400, page_tokens=16, scrub=ScrubPolicy.POISON)
     prefill, decode = Engine(tiny, prefill_pool), Engine(tiny, decode_pool)
     # Earlier tenants leave junk in decode's pages, and shift its page numbering.
     junk = [decode_pool.allocate("junk", 97)]
@@ -80,7 +80,7 @@ def _prefilled(engine: Engine, pool: KVPool, request_id: str, tokens: list[int])
 
 
 def test_decode_through_stale_lease_raises(tiny) -> None:
-    pool = make_pool(tiny, num_pages=16, page_size=16)
+    pool = make_pool(tiny, num_pages=16, page_tokens=16)
     engine = Engine(tiny, pool)
     victim_prompt = prompt(1, 40)
     victim, token = _prefilled(engine, pool, "tenant-a", victim_prompt)
@@ -101,7 +101,7 @@ def test_decode_through_stale_lease_raises(tiny) -> None:
 
 
 def test_decode_through_foreign_lease_raises(tiny) -> None:
-    pool = make_pool(tiny, num_pages=16, page_size=16)
+    pool = make_pool(tiny, num_pages=16, page_tokens=16)
     engine = Engine(tiny, pool)
     a, _ = _prefilled(engine, pool, "tenant-a", prompt(1, 40))
     b, token = _prefilled(engine, pool, "tenant-b", prompt(2, 40))
@@ -119,7 +119,7 @@ def test_decode_through_foreign_lease_raises(tiny) -> None:
 
 def test_decode_over_unwritten_prompt_is_refused(tiny) -> None:
     """The incident: pages reserved for a long prompt, only one token written."""
-    pool = make_pool(tiny, num_pages=16, page_size=16)
+    pool = make_pool(tiny, num_pages=16, page_tokens=16)
     engine = Engine(tiny, pool)
     lease = pool.allocate("stub", 100)
     token = int(torch.argmax(engine.prefill(lease, [7])))
@@ -136,14 +136,12 @@ def test_decode_over_unwritten_prompt_is_refused(tiny) -> None:
 
 
 def test_engine_rejects_mismatched_pool(tiny) -> None:
-    from kvstore import PoolSpec
-
     with pytest.raises(ValueError):
-        Engine(tiny, KVPool(PoolSpec(num_layers=3, num_kv_heads=2, head_dim=32, page_size=16,
+        Engine(tiny, KVPool(PoolSpec(num_layers=3, num_kv_heads=2, head_dim=32, page_tokens=16,
                                      num_pages=4)))
-    pool = make_pool(tiny, num_pages=4, page_size=16)
+    pool = make_pool(tiny, num_pages=4, page_tokens=16)
     engine = Engine(tiny, pool)
-    assert engine.kv_bytes_per_token == 4 * 2 * 2 * 32 * 4
+    assert engine.pool.spec.bytes_per_token == 4 * 2 * 2 * 32 * 4
     lease = pool.allocate("r", 10)
     with pytest.raises(LeaseAccessError):
         engine.prefill(lease, list(range(17)))  # more than the lease holds

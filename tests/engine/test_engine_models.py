@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import os
 
+import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import prompt
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 
-from services.engine.model import DECODE_TILE, PREFILL_CHUNK, prefill_windows
-from services.engine.models import load_model
-from services.engine.reference import ReferenceEngine
-from services.engine.sampling import Sampler, SamplingParams
-from services.engine.tiny import tiny_weights
+from pdmesh.services.engine.model import DECODE_TILE, PREFILL_CHUNK, prefill_windows
+from pdmesh.services.engine.models import load_model
+from pdmesh.services.engine.reference import ReferenceEngine
+from pdmesh.services.engine.sampling import Sampler, SamplingParams
+from pdmesh.services.engine.tiny import tiny_weights
 
 
 def _flat(weights) -> list[torch.Tensor]:
@@ -77,6 +80,13 @@ def test_reference_generate_stops_at_max_tokens_and_is_repeatable(tiny) -> None:
     assert tiny.tokenizer.decode(tiny.tokenizer.encode("héllo")) == "héllo"
 
 
+def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF rotate-half rows -> llama.cpp interleaved rows (what convert_hf_to_gguf does); the
+    loader's `gguf_loader.unpermute` undoes it."""
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
 def _reference_logits(model, ids: list[int]) -> torch.Tensor:
     ref = ReferenceEngine(model)
     cache = ref.new_cache(len(ids))
@@ -84,9 +94,6 @@ def _reference_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_safetensors_loader_on_a_tiny_checkpoint(tiny, tmp_path) -> None:
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     cfg, w = tiny.config, tiny.weights
     state = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.norm,
              "lm_head.weight": w.lm_head}
@@ -118,10 +125,6 @@ def test_safetensors_loader_on_a_tiny_checkpoint(tiny, tmp_path) -> None:
 def test_gguf_loader_roundtrip_with_llama_cpp_permutation(tiny, tmp_path) -> None:
     """Write tiny's weights as an F32 GGUF the way llama.cpp's converter does (q/k permuted)
     and check the loader gives the same logits; the SmolLM2 test checks a real file."""
-    import gguf
-
-    from services.engine.gguf_loader import permute
-
     cfg, w = tiny.config, tiny.weights
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

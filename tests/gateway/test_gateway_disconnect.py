@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from services import messages as m
+from pdmesh.loadtest.client import SSEParser
+from pdmesh.services import messages as m
 from tests.gateway.workers import MeshWorkers
 from tests.meshproc import Mesh
 
@@ -77,11 +78,11 @@ async def test_stream_disconnect_frees_decode_lease(live_mesh: Mesh,
                                   headers={"Authorization": "Bearer sk-dev-alice"})
         assert resp.status == 200
         chunks: list[dict] = []
-        async for line in resp.content:
-            if line.startswith(b"data: {"):
-                chunks.append(json.loads(line[6:]))
-                if len(chunks) == 2:
-                    break
+        parser = SSEParser()
+        async for raw in resp.content.iter_any():
+            chunks += [json.loads(e) for e in parser.feed(raw) if e.startswith("{")]
+            if len(chunks) >= 2:
+                break
         request_id = chunks[0]["id"]
         await assert_holding(workers, request_id)
         resp.close()  # drops the connection mid-stream

@@ -15,7 +15,7 @@ TENANT, KEY = "carol", "sk-dev-carol"
 
 def scrape(mesh: Mesh) -> dict[tuple[str, frozenset], float]:
     url = f"http://127.0.0.1:{mesh.gateway_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - loopback
+    with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()
     return {(s.name, frozenset(s.labels.items())): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -51,13 +51,18 @@ def test_metrics_by_tenant_and_outcome(live_mesh: Mesh) -> None:
             raise AssertionError("n=2 was accepted")
     after = scrape(live_mesh)
 
-    assert delta(before, after, "pdmesh:requests_total", outcome="finished") == 2
-    assert delta(before, after, "pdmesh:requests_total", outcome="rejected") == 1
-    assert delta(before, after, "pdmesh:requests_total", outcome="invalid") == 1
-    assert delta(before, after, "pdmesh:e2e_request_latency_seconds_count",
-                 outcome="finished") == 2
-    assert delta(before, after, "pdmesh:e2e_request_latency_seconds_sum",
-                 outcome="finished") > 0
+    # Labels are the mesh's one vocabulary: the terminal state and the reason code.
+    def finished(name: str) -> float:  # a finish is `stop` (EOS) or `length`
+        return sum(delta(before, after, name, outcome="finished", reason=r)
+                   for r in ("stop", "length"))
+
+    assert finished("pdmesh:requests_total") == 2
+    assert delta(before, after, "pdmesh:requests_total", outcome="rejected",
+                 reason="context_length_exceeded") == 1
+    assert delta(before, after, "pdmesh:requests_total", outcome="rejected",
+                 reason="invalid") == 1
+    assert finished("pdmesh:e2e_request_latency_seconds_count") == 2
+    assert finished("pdmesh:e2e_request_latency_seconds_sum") > 0
     assert delta(before, after, "pdmesh:time_to_first_token_seconds_count") == 2
     assert delta(before, after, "pdmesh:time_to_first_token_seconds_sum") > 0
     # At least one gap per request after its first token (6 tokens each, events may

@@ -1,7 +1,7 @@
 """The official `openai` client is the judge: the live mesh must look like OpenAI to it.
 
 Content is checked against the single-process reference engine (tests/oracle.py), never
-just "it returned 200" (lesson 5 of INCIDENT.md).
+just "it returned 200" (lesson 5 of docs/INCIDENT.md).
 """
 
 from __future__ import annotations

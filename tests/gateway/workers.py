@@ -11,7 +11,7 @@ import time
 
 import nats
 
-from services import messages as m
+from pdmesh.services import messages as m
 
 
 class MeshWorkers:
@@ -29,7 +29,7 @@ class MeshWorkers:
         workers: dict[str, m.Role] = {}
         beats = m.Decoder(m.Heartbeat)
 
-        async def on_beat(msg) -> None:  # noqa: ANN001 - nats Msg
+        async def on_beat(msg) -> None:
             beat = beats.decode(msg.subject, msg.data)
             if beat.role in (m.Role.PREFILL, m.Role.DECODE):
                 workers[beat.worker_id] = beat.role

@@ -43,7 +43,7 @@ MUTATIONS = [
     # mutation removes the decision itself: every request goes straight to the workers.
     Mutation("admission-decides", "admission decides before any worker hears of it (I1)",
              "services/admission/service.py",
-             "                decision = decide(prompt_len, req.max_tokens, prefills, decodes)",
+             "                decision = self.policy.decide(req, prefills, decodes, headers)",
              "                decision = Admitted(prefill=prefills[0], decode=decodes[0])",
              (ISO + "test_admission_guards.py::"
               "test_over_capacity_prompt_is_rejected_before_any_worker_hears_of_it",)),
@@ -79,7 +79,7 @@ MUTATIONS = [
                     "t.page_tokens):\n            reason, detail = Reason.LENGTH_MISMATCH, "
                     "f\"page {h.page_index}: {h.token_count} tokens\"",
                     "        elif False:\n            pass"),
-                   ("transports/tcp.py", "h.kind is Kind.ACK and h.reservation == key and "
+                   ("transports/core.py", "h.kind is Kind.ACK and h.reservation == key and "
                     "h.token_count == plan.num_tokens", "h.kind is Kind.ACK and "
                     "h.reservation == key"))),
     # Per-page checks and the commit digest back each other up: disable the hash itself.
@@ -90,9 +90,11 @@ MUTATIONS = [
              (ISO + "test_data_plane_faults.py::"
               "test_faulty_transfer_fails_only_that_request[corrupt_payload]",)),
     Mutation("epoch", "frames must name the live lease's epoch",
-             "transports/receiver.py", "        if h.epoch != t.epoch:\n            reason, detail"
-             " = Reason.STALE_EPOCH, f\"epoch {h.epoch} != live {t.epoch}\"\n        elif slot.conn_id"
-             " is not None", "        if False:\n            pass\n        elif slot.conn_id is not None",
+             "transports/receiver.py",
+             "        if h.epoch != t.epoch:\n            reason, detail"
+             " = Reason.STALE_EPOCH, f\"epoch {h.epoch} != live {t.epoch}\"\n"
+             "        elif slot.conn_id is not None",
+             "        if False:\n            pass\n        elif slot.conn_id is not None",
              # The commit's own epoch check still fails a wholly stale transfer on the mesh;
              # the conformance test also asserts no stale byte touched the pages.
              ("tests/transports/test_conformance.py::test_stale_epoch",)),
@@ -102,26 +104,30 @@ MUTATIONS = [
              "        await slot.finalized.wait()", "        return",
              (ISO + "test_late_write.py::test_late_frames_never_land_in_the_next_lease",)),
     Mutation("lease-read-check", "pool read check: owner + epoch + written length (I2)",
-             "kvstore/pool.py", "        epochs = self._page_epoch[pages]\n        ok = epochs == lease.epoch",
+             "kvstore/pool.py",
+             "        epochs = self._page_epoch[pages]\n        ok = epochs == lease.epoch",
              "        epochs = self._page_epoch[pages]\n        ok = epochs == epochs",
              ("tests/kvstore",)),
     # Prefill's Release and the gateway's Abort both free decode at once: remove both.
     Mutation("release-on-reject", "a rejection on one side frees the other at once (I6)",
              "services/prefill/service.py",
-             "        await self.rt.publish(m.release_subject(d.ticket.decode_worker), m.Release(",
-             "        if False: await self.rt.publish(m.release_subject(d.ticket.decode_worker), "
+             "            await self.rt.publish(m.release_subject(d.ticket.decode_worker), "
              "m.Release(",
+             "            if False: await self.rt.publish(m.release_subject("
+             "d.ticket.decode_worker), m.Release(",
              (ISO + "test_admission_guards.py::"
               "test_asymmetric_prefill_rejection_frees_decode_within_a_second",),
              more=(("gateway/mesh.py", "            if not sub_state.finished:",
                     "            if False:"),)),
     Mutation("ticket-signature", "tickets are HMAC-signed by admission",
-             "services/tickets.py", "        if not hmac.compare_digest(expected, ticket.signature):",
+             "services/tickets.py",
+             "        if not hmac.compare_digest(expected, ticket.signature):",
              "        if False:",
              ("tests/unit/test_tickets.py",
               ISO + "test_admission_guards.py::test_forged_ticket_is_refused_by_decode")),
     Mutation("dead-worker", "gateway ends a stream whose decode worker died",
-             "gateway/generation.py", "            if worker and self.gw.registry.get(worker) is None:",
+             "gateway/generation.py",
+             "            if worker and self.gw.registry.get(worker) is None:",
              "            if False:",
              (ISO + "test_worker_loss.py::test_decode_killed_mid_stream",)),
     Mutation("abort-on-disconnect", "a client that leaves aborts its request across the mesh",

@@ -7,14 +7,14 @@ import time
 
 import nats
 
-from services import messages as m
+from pdmesh.services import messages as m
 
 
 async def _heartbeats(nc: nats.NATS, listen_s: float) -> dict[str, m.Heartbeat]:
     dec = m.Decoder(m.Heartbeat)
     seen: dict[str, m.Heartbeat] = {}
 
-    async def cb(msg) -> None:  # noqa: ANN001
+    async def cb(msg) -> None:
         beat = dec.decode(msg.subject, msg.data)
         seen[beat.worker_id] = beat
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from services import messages as m
+from pdmesh.services import messages as m
 from tests.isolation.meshstats import counter, heartbeats, worker_stats
 from tests.meshproc import Mesh
 from tests.oracle import expected_text
@@ -83,7 +83,7 @@ def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
     import msgspec
     import nats
 
-    from services.tickets import sign
+    from pdmesh.services.tickets import sign
 
     decode = next(s for s in worker_stats(mesh.nats_url).values() if s.role is m.Role.DECODE)
 
@@ -101,11 +101,12 @@ def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
             "ttl_s": 30.0}
     wrong_key = sign("not-the-mesh-secret", **args)  # type: ignore[arg-type]
     got = asyncio.run(reserve(wrong_key))
-    assert not got.ok and "bad signature" in got.error
+    assert isinstance(got, m.ReserveRefused) and "bad signature" in got.outcome.detail
+    assert got.outcome.code is m.Code.TICKET_INVALID
     tampered = msgspec.structs.replace(sign("pdmesh-dev-secret-change-me", **args),  # type: ignore[arg-type]
                                        prompt_len=1)
     got = asyncio.run(reserve(tampered))
-    assert not got.ok and "bad signature" in got.error
+    assert isinstance(got, m.ReserveRefused) and "bad signature" in got.outcome.detail
     after = worker_stats(mesh.nats_url)[decode.worker_id]
     assert after.counters["tickets_refused"] >= 2
     assert after.live_leases == 0

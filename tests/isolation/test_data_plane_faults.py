@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from pdmesh.loadtest.client import SSEParser
+from pdmesh.services import messages as m
 from tests.isolation.meshstats import counter, worker_stats
 from tests.meshproc import Mesh
 from tests.oracle import expected_text
-
-from services import messages as m
 
 pytestmark = pytest.mark.slow
 
@@ -54,9 +54,8 @@ def test_streamed_reply_reports_a_transfer_failure_as_an_error_event(mesh: Mesh)
                          "stream": True}).encode(),
         headers={"Authorization": "Bearer sk-dev-alice", "Content-Type": "application/json",
                  "X-Pdmesh-Fault": "corrupt_payload"})
-    with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310
-        events = [line[6:] for line in resp.read().decode().splitlines()
-                  if line.startswith("data: ")]
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        events = SSEParser().feed(resp.read())
     assert events and "[DONE]" not in events
     last = json.loads(events[-1])
     assert last["error"]["code"] == "transfer_failed"

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.schema import ApiError, parse_chat, parse_completion
-from services import messages as m
-from transports.base import ExpectedTransfer, TransportStats
-from transports.framing import HEADER_SIZE, FrameError, Kind, decode_header, encode_header
-from transports.receiver import ReceiveTable
+from pdmesh.gateway.schema import ApiError, parse_chat, parse_completion
+from pdmesh.services import messages as m
+from pdmesh.transports.base import ExpectedTransfer, TransportStats
+from pdmesh.transports.framing import HEADER_SIZE, FrameError, Kind, decode_header, encode_header
+from pdmesh.transports.receiver import ReceiveTable
 
 pytestmark = pytest.mark.slow
 CASES = settings(max_examples=10_000, deadline=None, database=None,
@@ -57,14 +57,19 @@ def test_http_bodies(body: dict, raw: bytes | None, chat: bool) -> None:
 
 
 MESSAGE_TYPES = [m.SubmitRequest, m.SubmitReply, m.ReserveRequest, m.ReserveReply,
-                 m.PrefillDispatch, m.Release, m.Abort, m.TokenEvent, m.Heartbeat,
+                 m.PrefillDispatch, m.Release, m.Abort, m.StreamEvent, m.Heartbeat,
                  m.StatsReply]
 SAMPLES = [
     m.SubmitRequest(request_id="r", tenant="t", cache_salt="s", prompt_ids=[1, 2],
                     max_tokens=3),
     m.TokenEvent(request_id="r", seq=0, token_ids=[5]),
     m.Heartbeat(worker_id="w", role=m.Role.DECODE, model="tiny"),
-    m.Release(request_id="r", reservation_id="x", code=m.FailCode.ABORTED),
+    m.Release(request_id="r", reservation_id="x", outcome=m.Outcome(code=m.Code.ABORTED)),
+    m.Rejected(request_id="r", outcome=m.Outcome(code=m.Code.SATURATED, detail="busy")),
+    m.Reserved(request_id="r", reservation=m.Reservation(
+        reservation_id="x", epoch=3, page_ids=[1, 2], page_tokens=16, page_bytes=64,
+        data_address="tcp://127.0.0.1:1")),
+    m.StreamFailed(request_id="r", outcome=m.Outcome(code=m.Code.INTERNAL)),
 ]
 
 

@@ -13,14 +13,20 @@ import uuid
 import pytest
 import torch
 
-from kvstore import KVPool, PoolSpec
-from transports import ExpectedTransfer, FaultPlan, TransferError, TransferPlan, make_transport
+from pdmesh.kvstore import KVPool, PoolSpec
+from pdmesh.transports import (
+    ExpectedTransfer,
+    FaultPlan,
+    TransferError,
+    TransferPlan,
+    make_transport,
+)
 
 os.environ.setdefault("UCX_TLS", "tcp")
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 KINDS = ["tcp", pytest.param("ucx", marks=[pytest.mark.ucx, pytest.mark.skipif(
     not HAVE_UCX, reason="ucxx is not importable")])]
-SPEC = PoolSpec(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16, num_pages=8)
+SPEC = PoolSpec(num_layers=2, num_kv_heads=2, head_dim=16, page_tokens=16, num_pages=8)
 PROMPT = 64  # 4 pages
 
 
@@ -36,7 +42,7 @@ async def _scenario(kind: str, fence: bool) -> tuple[bool, KVPool, object, torch
     a_src = src.allocate("A", PROMPT)
     _pattern(src, a_src, 1.0)  # tenant A's KV: all ones
     receiver = make_transport(kind, progress_timeout_s=2.0)
-    sender = make_transport(kind, progress_timeout_s=2.0)
+    sender = make_transport(kind, progress_timeout_s=2.0, faults=True)
     address = await receiver.start()
     await sender.start()
     try:
@@ -44,12 +50,12 @@ async def _scenario(kind: str, fence: bool) -> tuple[bool, KVPool, object, torch
         rid = str(uuid.UUID(a.lease_id))
         target = ExpectedTransfer(rid, a.epoch, a.page_ids,
                                   [dst.page_buffer(a, i) for i in range(a.num_pages)],
-                                  SPEC.bytes_per_page, SPEC.page_size, PROMPT, deadline_s=10)
+                                  SPEC.bytes_per_page, SPEC.page_tokens, PROMPT, deadline_s=10)
         fut = receiver.expect(target)
-        plan = TransferPlan(rid, a.epoch, a.page_ids, PROMPT, SPEC.page_size,
+        plan = TransferPlan(rid, a.epoch, a.page_ids, PROMPT, SPEC.page_tokens,
                             SPEC.bytes_per_page, first_token=1, deadline_s=10)
         # Hold the write: frame 0 lands, frames 1.. wait 0.6 s in the sender.
-        sender.faults = FaultPlan(delay={1: 0.6})  # type: ignore[attr-defined]
+        sender.arm(rid, FaultPlan(delay={1: 0.6}))
         send = asyncio.ensure_future(sender.send(
             address, plan, [src.page_buffer(a_src, i) for i in range(a_src.num_pages)]))
         await asyncio.sleep(0.2)

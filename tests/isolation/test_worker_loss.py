@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services import messages as m
+from pdmesh.loadtest.client import SSEParser
+from pdmesh.services import messages as m
 from tests.isolation.meshstats import assert_pools_clean, by_role, query_stats, worker_stats
 from tests.meshproc import Mesh, NatsServer, mesh_env, run_mesh
 from tests.oracle import expected_text
@@ -46,7 +47,7 @@ def _open_stream(mesh: Mesh, body: dict, fault: str = "") -> tuple[object, str]:
     req = urllib.request.Request(f"{mesh.base_url}/chat/completions", method="POST",
                                  data=json.dumps({**body, "stream": True}).encode(),
                                  headers=headers)
-    resp = urllib.request.urlopen(req, timeout=30)  # noqa: S310
+    resp = urllib.request.urlopen(req, timeout=30)
     first = resp.readline()
     while not first.startswith(b"data: "):
         first = resp.readline()
@@ -54,12 +55,9 @@ def _open_stream(mesh: Mesh, body: dict, fault: str = "") -> tuple[object, str]:
 
 
 def _rest(resp: object) -> list[dict]:
-    events = []
-    for raw in resp:  # type: ignore[attr-defined]
-        line = raw.decode().strip()
-        if line.startswith("data: ") and line != "data: [DONE]":
-            events.append(json.loads(line[6:]))
-    return events
+    parser = SSEParser()
+    return [json.loads(data) for raw in resp  # type: ignore[attr-defined]
+            for data in parser.feed(raw) if data != "[DONE]"]
 
 
 def _workers(mesh: Mesh, role: m.Role) -> list[tuple[m.Role, str]]:

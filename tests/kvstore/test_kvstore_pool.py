@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import (
+from pdmesh.kvstore import (
     POISON_VALUE,
     KVPool,
     LeaseAccessError,
@@ -22,8 +22,8 @@ from kvstore import (
 )
 
 
-def make_pool(num_pages: int = 8, page_size: int = 4, scrub=ScrubPolicy.NONE) -> KVPool:
-    spec = PoolSpec(num_layers=2, num_kv_heads=2, head_dim=4, page_size=page_size,
+def make_pool(num_pages: int = 8, page_tokens: int = 4, scrub=ScrubPolicy.NONE) -> KVPool:
+    spec = PoolSpec(num_layers=2, num_kv_heads=2, head_dim=4, page_tokens=page_tokens,
                     num_pages=num_pages)
     return KVPool(spec, scrub=scrub)
 
@@ -38,17 +38,17 @@ def assert_nothing_leaked(pool: KVPool) -> None:
 def fill(pool: KVPool, lease, value: float) -> None:
     for index in range(lease.num_pages):
         pool.page_tensor(lease, index).fill_(value)
-        pool.mark_written(lease, index, lease.page_size)
+        pool.mark_written(lease, index, lease.page_tokens)
 
 
 def test_spec_geometry() -> None:
-    spec = PoolSpec(num_layers=3, num_kv_heads=2, head_dim=8, page_size=16, num_pages=10,
+    spec = PoolSpec(num_layers=3, num_kv_heads=2, head_dim=8, page_tokens=16, num_pages=10,
                     dtype=torch.float16)
     assert spec.bytes_per_page == 3 * 2 * 2 * 8 * 2 * 16
     assert spec.capacity_tokens == 160
     assert spec.pages_for(1) == 1 and spec.pages_for(16) == 1 and spec.pages_for(17) == 2
     with pytest.raises(ValueError):
-        PoolSpec(num_layers=0, num_kv_heads=1, head_dim=1, page_size=1, num_pages=1)
+        PoolSpec(num_layers=0, num_kv_heads=1, head_dim=1, page_tokens=1, num_pages=1)
 
 
 def test_pool_tensor_layout_makes_pages_contiguous_byte_ranges() -> None:
@@ -66,7 +66,7 @@ def test_pool_tensor_layout_makes_pages_contiguous_byte_ranges() -> None:
 
 
 def test_allocate_release_lifecycle_and_counts() -> None:
-    pool = make_pool(num_pages=8, page_size=4)
+    pool = make_pool(num_pages=8, page_tokens=4)
     assert pool.capacity_tokens == 32 and pool.free_tokens == 32
     a = pool.allocate("req-a", 9)  # 3 pages
     assert a.num_pages == 3 and a.num_tokens == 9 and a.capacity_tokens == 12
@@ -87,7 +87,7 @@ def test_allocate_release_lifecycle_and_counts() -> None:
 
 
 def test_lifo_reuse_returns_the_same_pages_in_order() -> None:
-    pool = make_pool(num_pages=8, page_size=4)
+    pool = make_pool(num_pages=8, page_tokens=4)
     a = pool.allocate("a", 12)
     pool.release(a, "done")
     b = pool.allocate("b", 12)
@@ -99,7 +99,7 @@ def test_lifo_reuse_returns_the_same_pages_in_order() -> None:
 
 
 def test_exhaustion_allocates_nothing() -> None:
-    pool = make_pool(num_pages=4, page_size=4)
+    pool = make_pool(num_pages=4, page_tokens=4)
     a = pool.allocate("a", 8)
     with pytest.raises(PoolExhaustedError) as info:
         pool.allocate("b", 9)
@@ -113,7 +113,7 @@ def test_exhaustion_allocates_nothing() -> None:
 
 
 def test_epochs_are_unique_and_monotonic() -> None:
-    pool = make_pool(num_pages=8, page_size=4)
+    pool = make_pool(num_pages=8, page_tokens=4)
     epochs = []
     for i in range(20):
         lease = pool.allocate(f"r{i}", 1 + i % 7)
@@ -124,7 +124,7 @@ def test_epochs_are_unique_and_monotonic() -> None:
 
 
 def test_written_counts_and_read_coverage() -> None:
-    pool = make_pool(num_pages=8, page_size=4)
+    pool = make_pool(num_pages=8, page_tokens=4)
     lease = pool.allocate("r", 10)  # 3 pages
     pool.check_readable(lease, 0)
     with pytest.raises(LeaseAccessError, match="only 0 written"):
@@ -150,7 +150,7 @@ def test_written_counts_and_read_coverage() -> None:
 def test_read_through_stale_epoch_raises() -> None:
     """The incident's shape: a dead request's lease reads pages now holding another
     tenant's KV. Both the lease-liveness check and the per-page epoch tag must refuse."""
-    pool = make_pool(num_pages=8, page_size=4)
+    pool = make_pool(num_pages=8, page_tokens=4)
     victim = pool.allocate("tenant-a", 8)
     fill(pool, victim, 1.0)
     pool.release(victim, "finished")
@@ -178,7 +178,7 @@ def test_read_through_stale_epoch_raises() -> None:
 
 def test_read_through_foreign_lease_raises() -> None:
     """A lease object naming pages it does not hold (forged, or mixed up by a bug)."""
-    pool = make_pool(num_pages=8, page_size=4)
+    pool = make_pool(num_pages=8, page_tokens=4)
     a = pool.allocate("tenant-a", 8)
     fill(pool, a, 1.0)
     b = pool.allocate("tenant-b", 8)
@@ -193,7 +193,7 @@ def test_read_through_foreign_lease_raises() -> None:
     with pytest.raises(LeaseAccessError):
         pool.mark_written(forged, 0, 1)
     # A lease from another pool with colliding epochs is refused too.
-    other_pool = make_pool(num_pages=8, page_size=4)
+    other_pool = make_pool(num_pages=8, page_tokens=4)
     with pytest.raises(LeaseAccessError, match="another pool"):
         other_pool.check_readable(a, 1)
     pool.release(forged, "not ours")  # a forged copy cannot release the real lease
@@ -217,7 +217,7 @@ def test_released_lease_cannot_write() -> None:
 
 @pytest.mark.parametrize("policy", list(ScrubPolicy))
 def test_scrub_policies(policy: ScrubPolicy) -> None:
-    pool = make_pool(num_pages=4, page_size=4, scrub=policy)
+    pool = make_pool(num_pages=4, page_tokens=4, scrub=policy)
     lease = pool.allocate("r", 8)
     fill(pool, lease, 7.0)
     untouched = pool.allocate("keep", 4)
@@ -241,7 +241,7 @@ def test_scrub_policy_parse() -> None:
 
 
 def test_integrity_check_detects_leaks_and_double_placement() -> None:
-    pool = make_pool(num_pages=4, page_size=4)
+    pool = make_pool(num_pages=4, page_tokens=4)
     lease = pool.allocate("r", 4)
     pool.check_integrity()
     pool._free.append(lease.page_ids[0])  # page both free and leased
@@ -255,7 +255,7 @@ def test_integrity_check_detects_leaks_and_double_placement() -> None:
 
 def test_random_lifecycles_never_share_pages() -> None:
     rng = np.random.default_rng(0)
-    pool = make_pool(num_pages=32, page_size=4)
+    pool = make_pool(num_pages=32, page_tokens=4)
     live = []
     for step in range(500):
         if live and (rng.random() < 0.45 or pool.num_free_pages == 0):

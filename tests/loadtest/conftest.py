@@ -17,6 +17,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -117,16 +118,17 @@ def _error(status: int, message: str, code: str) -> web.Response:
 
 
 class DoubleServer:
-    """Runs an `SSEDouble` on 127.0.0.1 (free port) in its own thread and event loop, so
-    that synchronous tests can call `loadtest.cli.main` (which runs its own loop)."""
+    """Runs a test double (anything with `app()` and a `base_url` to fill in) on 127.0.0.1
+    (free port) in its own thread and event loop, so that synchronous tests can call a
+    tool's `main` (which runs its own loop)."""
 
-    def __init__(self, double: SSEDouble) -> None:
+    def __init__(self, double: Any) -> None:
         self.double = double
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
 
-    def start(self) -> SSEDouble:
+    def start(self) -> Any:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
         return self.double
@@ -148,17 +150,27 @@ class DoubleServer:
 
 
 @pytest.fixture
-def sse_server_factory() -> Iterator:
+def serve_double() -> Iterator[Callable[[Any], Any]]:
+    """`serve_double(double)` starts `double` (see DoubleServer) and returns it, its
+    `base_url` set; every double started is stopped after the test."""
     servers: list[DoubleServer] = []
 
-    def make(**kwargs: object) -> SSEDouble:
-        server = DoubleServer(SSEDouble(**kwargs))
+    def start(double: Any) -> Any:
+        server = DoubleServer(double)
         servers.append(server)
         return server.start()
 
-    yield make
+    yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def sse_server_factory(serve_double: Callable[[Any], Any]) -> Callable[..., SSEDouble]:
+    def make(**kwargs: object) -> SSEDouble:
+        return serve_double(SSEDouble(**kwargs))
+
+    return make
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest.cli import EXIT_CORRECTNESS, EXIT_INTERRUPTED, EXIT_OK, main
-from loadtest.report import INTEGRITY_RESULT_KEYS, PDMESH_RESULT_KEYS, VLLM_RESULT_KEYS
+from pdmesh.loadtest.cli import EXIT_CORRECTNESS, EXIT_INTERRUPTED, EXIT_OK, main
+from pdmesh.loadtest.report import INTEGRITY_RESULT_KEYS, PDMESH_RESULT_KEYS, VLLM_RESULT_KEYS
 
 VLLM_KEYS = [
     "date", "backend", "model_id", "num_prompts", "request_rate", "burstiness",

@@ -3,8 +3,8 @@
 import aiohttp
 import pytest
 
-from loadtest.client import ClientConfig, SSEParser, context_length_of, send_request
-from loadtest.workload import RequestSpec
+from pdmesh.loadtest.client import ClientConfig, SSEParser, context_length_of, send_request
+from pdmesh.loadtest.workload import RequestSpec
 
 
 def test_sse_events_split_across_reads():

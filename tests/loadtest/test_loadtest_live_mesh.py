@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from loadtest.cli import EXIT_OK, main
-from loadtest.report import INTEGRITY_RESULT_KEYS, PDMESH_RESULT_KEYS, VLLM_RESULT_KEYS
+from pdmesh.loadtest.cli import EXIT_OK, main
+from pdmesh.loadtest.report import INTEGRITY_RESULT_KEYS, PDMESH_RESULT_KEYS, VLLM_RESULT_KEYS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -3,9 +3,14 @@
 import numpy as np
 import pytest
 
-from loadtest.client import RequestResult
-from loadtest.metrics import (compute_metrics, meets_slos, parse_goodput, rejection_accounting,
-                              summarize_ms)
+from pdmesh.loadtest.client import RequestResult
+from pdmesh.loadtest.metrics import (
+    compute_metrics,
+    meets_slos,
+    parse_goodput,
+    rejection_accounting,
+    summarize_ms,
+)
 
 
 def _ok(index, ttft=0.1, e2el=1.0, tokens=11, **kw):

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from loadtest.client import RequestResult
-from loadtest.runner import LoadShape, arrival_offsets, run_load
-from loadtest.workload import RequestSpec
+from pdmesh.loadtest.client import RequestResult
+from pdmesh.loadtest.runner import LoadShape, arrival_offsets, run_load
+from pdmesh.loadtest.workload import RequestSpec
 
 
 def _requests(n):

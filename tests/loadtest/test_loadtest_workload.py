@@ -3,8 +3,15 @@
 import numpy as np
 import pytest
 
-from loadtest.workload import (PRINTABLE, LengthDist, WorkloadSpec, build_prompt,
-                               build_requests, build_warmup_requests, marker)
+from pdmesh.loadtest.workload import (
+    PRINTABLE,
+    LengthDist,
+    WorkloadSpec,
+    build_prompt,
+    build_requests,
+    build_warmup_requests,
+    marker,
+)
 
 
 def _spec(**kwargs):

@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from loadtest.soak import EXIT_CORRECTNESS, EXIT_OK, main
-from loadtest.soak_verdict import Expected, Reply, Tally, judge, leaked_markers
-from loadtest.soak_workload import (CHAT_TEMPLATE_OVERHEAD, DEFAULT_FAULTS, SoakWorkload,
-                                    make_tenants, plan_request)
+from pdmesh.loadtest.client import Reply
+from pdmesh.loadtest.oracle import Expected, reference
+from pdmesh.loadtest.soak import EXIT_CORRECTNESS, EXIT_OK, main
+from pdmesh.loadtest.soak_verdict import Tally, judge, leaked_markers
+from pdmesh.loadtest.soak_workload import (
+    CHAT_TEMPLATE_OVERHEAD,
+    DEFAULT_FAULTS,
+    SoakWorkload,
+    make_tenants,
+    plan_request,
+)
 
 KEYS = ["sk-dev-alice", "sk-dev-bob", "sk-dev-carol"]
 TENANTS = tuple(make_tenants(KEYS, seed=0))
@@ -213,8 +219,8 @@ def test_tally_counts_and_fails_on_violations():
 def test_pool_summary_counts_leaked_leases_and_integrity_failures():
     from types import SimpleNamespace
 
-    from loadtest.soak_pool import _summary
-    from services.messages import Role
+    from pdmesh.loadtest.soak_pool import _summary
+    from pdmesh.services.messages import Role
 
     def row(worker, role, leases, ok, stats=True):
         beat = SimpleNamespace(worker_id=worker, role=role)
@@ -237,11 +243,7 @@ class OracleDouble:
     makes it break one rule; it proves the soak notices, not anything about pdmesh."""
 
     def __init__(self, misbehave: str = "", context: int = 512) -> None:
-        from services.engine.models import load_model
-        from services.engine.reference import ReferenceEngine
-
-        self.loaded = load_model("tiny")
-        self.engine = ReferenceEngine(self.loaded)
+        self.oracle = reference("tiny")
         self.misbehave, self.context = misbehave, context
         self.base_url = ""
         self.requests = 0
@@ -256,19 +258,10 @@ class OracleDouble:
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "tiny", "max_model_len": self.context}]})
 
-    def answer(self, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
-        from services.engine.sampling import SamplingParams
-
-        tok = self.loaded.tokenizer
-        ids = self.engine.generate(prompt_ids, SamplingParams(temperature=0.0,
-                                                              max_tokens=max_tokens))
-        finish = "stop" if ids[-1] in tok.eos_token_ids else "length"
-        return tok.decode([t for t in ids if t not in tok.eos_token_ids]), finish
-
     async def complete(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
         body = await request.json()
-        tok = self.loaded.tokenizer
+        tok = self.oracle.tokenizer
         chat = request.path.endswith("/chat/completions")
         text = (tok.apply_chat_template(body["messages"]) if chat else body["prompt"])
         ids = tok.encode(text)
@@ -281,7 +274,8 @@ class OracleDouble:
         if over:
             out, finish = "fluent text for someone else's prompt", "length"
         else:
-            out, finish = self.answer(ids, body["max_tokens"])
+            expected = self.oracle.answer(ids, body["max_tokens"])
+            out, finish = expected.text, expected.finish_reason
         if self.misbehave == "wrong_answer" and self.requests % 5 == 3:
             out = out[::-1] + "?"
         if self.misbehave == "fault_serves_garbage" and fault:
@@ -312,46 +306,12 @@ def _error(status: int, message: str, code: str) -> web.Response:
                              status=status)
 
 
-class _Server:
-    def __init__(self, double: OracleDouble) -> None:
-        self.double = double
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.runner: web.AppRunner | None = None
-
-    def start(self) -> OracleDouble:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=10)
-        return self.double
-
-    async def _start(self) -> None:
-        self.runner = web.AppRunner(self.double.app(), access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self.runner.addresses[0][:2]
-        self.double.base_url = f"http://{host}:{port}/v1"
-
-    def stop(self) -> None:
-        if self.runner is not None:
-            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
-
-
 @pytest.fixture
-def oracle_double() -> Iterator[Callable[..., OracleDouble]]:
-    servers: list[_Server] = []
-
+def oracle_double(serve_double) -> Callable[..., OracleDouble]:
     def make(misbehave: str = "") -> OracleDouble:
-        server = _Server(OracleDouble(misbehave))
-        servers.append(server)
-        return server.start()
+        return serve_double(OracleDouble(misbehave))
 
-    yield make
-    for server in servers:
-        server.stop()
+    return make
 
 
 def soak_double(double: OracleDouble, out: Path, *extra: str) -> tuple[int, dict]:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def _json_last_line(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pdmesh_cli", "bench", *args, "--json"],
+    proc = subprocess.run([sys.executable, "-m", "pdmesh.services.cli", "bench", *args, "--json"],
                           cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

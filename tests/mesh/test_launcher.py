@@ -70,7 +70,7 @@ def test_services_reconnect_after_nats_restart() -> None:
 
 def _run(*args: str, env: dict[str, str] | None = None,
          timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdmesh_cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "pdmesh.services.cli", *args], cwd=REPO,
                           env=env or mesh_env(), capture_output=True, text=True,
                           timeout=timeout)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.engine import prefix_bench
+from pdmesh.loadtest.bench import prefix as prefix_bench
 
 
 def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,16 +15,22 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore import KVPool, LeaseAccessError, PoolExhaustedError, PoolIntegrityError, PoolSpec
-from kvstore.prefix_cache import PrefixCache
-from kvstore.prefix_key import aligned_prefix_hashes
+from pdmesh.kvstore import (
+    KVPool,
+    LeaseAccessError,
+    PoolExhaustedError,
+    PoolIntegrityError,
+    PoolSpec,
+)
+from pdmesh.kvstore.prefix_cache import PrefixCache
+from pdmesh.kvstore.prefix_key import aligned_prefix_hashes
 
 PAGE = 4
 ALICE, BOB = "salt-alice", "salt-bob"
 
 
 def make(num_pages: int = 16, align: int = PAGE) -> tuple[KVPool, PrefixCache]:
-    pool = KVPool(PoolSpec(num_layers=1, num_kv_heads=1, head_dim=2, page_size=PAGE,
+    pool = KVPool(PoolSpec(num_layers=1, num_kv_heads=1, head_dim=2, page_tokens=PAGE,
                            num_pages=num_pages))
     return pool, PrefixCache(pool, align_tokens=align)
 

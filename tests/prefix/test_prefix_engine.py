@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore import PrefixCache
-from services.engine.model import PREFILL_CHUNK
-from services.engine.reference import ReferenceEngine
-from services.engine.runner import Engine, make_pool
-from services.engine.sampling import SamplingParams
+from pdmesh.kvstore import PrefixCache
+from pdmesh.services.engine.model import PREFILL_CHUNK
+from pdmesh.services.engine.reference import ReferenceEngine
+from pdmesh.services.engine.runner import Engine, make_pool
+from pdmesh.services.engine.sampling import SamplingParams
 from tests import oracle
 from tests.engine.engine_helpers import batched_generate, prompt
 
@@ -23,9 +23,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 @pytest.fixture(scope="module")
-def setup():  # noqa: ANN201 - (engine, cache, reference)
+def setup():
     tiny = oracle.tiny()
-    pool = make_pool(tiny, num_pages=160, page_size=16)
+    pool = make_pool(tiny, num_pages=160, page_tokens=16)
     engine = Engine(tiny, pool)
     cache = PrefixCache(pool, align_tokens=engine.prefix_align_tokens)
     return engine, cache, ReferenceEngine(tiny)
@@ -59,12 +59,12 @@ def reference_run(reference: ReferenceEngine, tokens: list[int]):
     return logits, out
 
 
-def test_alignment_is_whole_pages_and_whole_chunks(setup) -> None:  # noqa: ANN001
+def test_alignment_is_whole_pages_and_whole_chunks(setup) -> None:
     engine, _, _ = setup
     assert engine.prefix_align_tokens == PREFILL_CHUNK == 512
 
 
-def test_same_tenant_hits_computes_less_and_outputs_are_identical(setup) -> None:  # noqa: ANN001
+def test_same_tenant_hits_computes_less_and_outputs_are_identical(setup) -> None:
     engine, cache, reference = setup
     shared = prompt(1, PREFILL_CHUNK)
     first_prompt, second_prompt = shared + prompt(2, 20), shared + prompt(3, 45)
@@ -83,7 +83,7 @@ def test_same_tenant_hits_computes_less_and_outputs_are_identical(setup) -> None
     cache.check_integrity()
 
 
-def test_same_prefix_from_another_tenant_never_hits(setup) -> None:  # noqa: ANN001
+def test_same_prefix_from_another_tenant_never_hits(setup) -> None:
     engine, cache, reference = setup
     tokens = prompt(7, PREFILL_CHUNK + 30)
     out_a, _, cached_a, _ = generate(engine, cache, ALICE, tokens)
@@ -95,7 +95,7 @@ def test_same_prefix_from_another_tenant_never_hits(setup) -> None:  # noqa: ANN
     cache.check_integrity()
 
 
-def test_transferred_pages_equal_an_uncached_prefill(setup) -> None:  # noqa: ANN001
+def test_transferred_pages_equal_an_uncached_prefill(setup) -> None:
     """What prefill sends to decode (every prompt page, read-only views) is byte-identical
     with and without the cache."""
     engine, cache, _ = setup

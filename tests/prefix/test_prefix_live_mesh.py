@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from gateway.tenants import TenantDirectory
-from services.config import DEV_MESH_SECRET
-from services.engine.model import PREFILL_CHUNK
+from pdmesh.gateway.tenants import TenantDirectory
+from pdmesh.services.config import DEV_MESH_SECRET
+from pdmesh.services.engine.model import PREFILL_CHUNK
 from tests.meshproc import DEV_KEYS, Mesh
 from tests.oracle import expected_text
 

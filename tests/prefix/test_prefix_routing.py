@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 
-from kvstore import KVPool, PoolSpec
-from kvstore.prefix_cache import PrefixCache
-from services import messages as m
-from services.admission.policy import Admitted, WorkerView, decide, prefill_cost
-from services.admission.registry import CapacityRegistry
+from pdmesh.kvstore import KVPool, PoolSpec
+from pdmesh.kvstore.prefix_cache import PrefixCache
+from pdmesh.services import messages as m
+from pdmesh.services.admission.policy import Admitted, WorkerView, decide, prefill_cost
+from pdmesh.services.admission.registry import CapacityRegistry
 
 PAGE, ALIGN = 4, 8
 ALICE, BOB = "salt-alice", "salt-bob"
@@ -17,7 +17,7 @@ PROMPT = list(range(1, 30))  # 29 tokens: 3 aligned blocks of 8 cached at most
 
 
 def warm_cache(salt: str, tokens: list[int]) -> PrefixCache:
-    pool = KVPool(PoolSpec(num_layers=1, num_kv_heads=1, head_dim=2, page_size=PAGE,
+    pool = KVPool(PoolSpec(num_layers=1, num_kv_heads=1, head_dim=2, page_tokens=PAGE,
                            num_pages=32))
     cache = PrefixCache(pool, align_tokens=ALIGN)
     lease = cache.allocate("warm", salt, tokens)
@@ -31,7 +31,7 @@ def warm_cache(salt: str, tokens: list[int]) -> PrefixCache:
 def beat(worker_id: str, role: m.Role = m.Role.PREFILL, cache: PrefixCache | None = None,
          queue_depth: int = 0) -> m.Heartbeat:
     return m.Heartbeat(worker_id=worker_id, role=role, model="tiny",
-                       pool_capacity_tokens=4096, free_tokens=4096, page_tokens=PAGE,
+                       pool_capacity_tokens=4096, available_tokens=4096, page_tokens=PAGE,
                        configured_context=4096, served_context=4096, queue_depth=queue_depth,
                        prefix_hashes=cache.summary(512) if cache else [],
                        prefix_align_tokens=ALIGN if cache else 0)
@@ -74,7 +74,7 @@ def test_decide_routes_to_the_longest_cached_prefix() -> None:
 
 def test_cache_affinity_is_balanced_against_queue_depth() -> None:
     def view(name: str, queue: int, cached: int) -> WorkerView:
-        return WorkerView(worker_id=name, capacity_tokens=4096, free_tokens=4096,
+        return WorkerView(worker_id=name, capacity_tokens=4096, available_tokens=4096,
                           page_tokens=16, served_context=4096, queue_depth=queue,
                           cached_prefix_tokens=cached)
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+
 import pytest
 
-from transports import make_transport
+from pdmesh.transports import make_transport
 
 os.environ.setdefault("UCX_TLS", "tcp")
-HAVE_UCX = importlib.util.find_spec("ucxx") is not None or importlib.util.find_spec("ucp") is not None
+HAVE_UCX = (importlib.util.find_spec("ucxx") is not None
+            or importlib.util.find_spec("ucp") is not None)
 PROGRESS_S = 0.5
 
 
@@ -20,11 +23,10 @@ def kind(request) -> str:
     return request.param
 
 
-@pytest.fixture
-async def pair(kind):
-    """(receiver, sender, receiver address) of one kind, closed afterwards."""
+@contextlib.asynccontextmanager
+async def _transports(kind: str, faults: bool):
     receiver = make_transport(kind, progress_timeout_s=PROGRESS_S)
-    sender = make_transport(kind, progress_timeout_s=PROGRESS_S)
+    sender = make_transport(kind, progress_timeout_s=PROGRESS_S, faults=faults)
     address = await receiver.start()
     await sender.start()
     yield receiver, sender, address
@@ -32,3 +34,15 @@ async def pair(kind):
     await receiver.close()
 
 
+@pytest.fixture
+async def pair(kind):
+    """(receiver, sender, receiver address) of one kind, closed afterwards."""
+    async with _transports(kind, faults=False) as transports:
+        yield transports
+
+
+@pytest.fixture
+async def faulty_pair(kind):
+    """Like `pair`, but the sender is a FaultInjectingTransport: `sender.arm(rid, plan)`."""
+    async with _transports(kind, faults=True) as transports:
+        yield transports

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from transports import ExpectedTransfer, FaultPlan, TransferPlan, make_transport
+from pdmesh.transports import ExpectedTransfer, FaultPlan, TransferPlan, make_transport
 
 
 async def main(argv: list[str]) -> None:
@@ -23,10 +23,11 @@ async def main(argv: list[str]) -> None:
         epoch, num_tokens, page_tokens, page_bytes = map(int, argv[4:8])
         n = -(-num_tokens // page_tokens)
         pages = np.full((n, page_bytes), 0x5A, dtype=np.uint8)
-        transport = make_transport(kind, faults=FaultPlan(delay={2: 3600.0}))
+        transport = make_transport(kind, faults=True)
         await transport.start()
         plan = TransferPlan(rid, epoch, tuple(range(100, 100 + n)), num_tokens, page_tokens,
                             page_bytes, first_token=1, deadline_s=3600.0)
+        transport.arm(rid, FaultPlan(delay={2: 3600.0}))
         await transport.send(address, plan, [memoryview(p) for p in pages])
     else:
         rid = argv[2]

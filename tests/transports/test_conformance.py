@@ -8,15 +8,15 @@ never do they hold the sender's bytes, and the error reaches both sides.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import numpy as np
 import pytest
-
-from transports import POISON_BYTE, FaultPlan, Reason, TransferError
-from transports.framing import HEADER_SIZE
-
 from transport_cases import make_case
+
+from pdmesh.transports import POISON_BYTE, FaultPlan, Reason, TransferError
+from pdmesh.transports.framing import HEADER_SIZE
 
 
 def assert_untouched_or_poisoned(dst, snapshot, err: TransferError, page_ids) -> None:
@@ -30,18 +30,18 @@ def assert_untouched_or_poisoned(dst, snapshot, err: TransferError, page_ids) ->
 
 async def run_failing(pair, faults=None, plan_changes=None, target_changes=None,
                       num_tokens=100):
-    """Sends with a fault; returns (receiver error or None, sender error, dst, snapshot)."""
+    """Sends with a fault (a `faulty_pair` is needed for `faults`); returns (receiver error or
+    None, sender error, dst, snapshot)."""
     receiver, sender, address = pair
     src, dst, target, plan = make_case(num_tokens=num_tokens)
     if target_changes:
-        import dataclasses
         target = dataclasses.replace(target, **target_changes)
     if plan_changes:
-        import dataclasses
         plan = dataclasses.replace(plan, **plan_changes)
     snapshot = dst.snapshot()
     fut = receiver.expect(target)
-    sender.faults = faults
+    if faults is not None:
+        sender.arm(plan.reservation_id, faults)
     with pytest.raises(TransferError) as sent:
         await sender.send(address, plan, src.views())
     received = None
@@ -80,28 +80,29 @@ async def test_connection_reuse_and_concurrency(pair):
     futs = [receiver.expect(target) for _, _, target, _ in cases]
     for src, _, _, plan in cases[:2]:  # sequential: the second reuses the pooled connection
         await sender.send(address, plan, src.views())
-    await asyncio.gather(*(sender.send(address, plan, src.views()) for src, _, _, plan in cases[2:]))
+    await asyncio.gather(*(sender.send(address, plan, src.views())
+                           for src, _, _, plan in cases[2:]))
     for (src, dst, target, _), fut in zip(cases, futs, strict=True):
         await fut
         assert (dst.array[: target.num_pages] == src.array[: target.num_pages]).all()
 
 
-async def test_flipped_payload_byte(pair):
-    got, sent, _, _ = await run_failing(pair, FaultPlan(corrupt={1: 12345}))
+async def test_flipped_payload_byte(faulty_pair):
+    got, sent, _, _ = await run_failing(faulty_pair, FaultPlan(corrupt={1: 12345}))
     assert got.reason is sent.reason is Reason.BAD_CHECKSUM
     assert got.pages_poisoned  # page 1's bytes had landed: they are poisoned, not kept
 
 
-async def test_truncated_stream(pair):
+async def test_truncated_stream(faulty_pair):
     page = 64 << 10
     got, sent, _, _ = await run_failing(
-        pair, FaultPlan(truncate_after=2 * (HEADER_SIZE + page) + HEADER_SIZE + page // 2))
+        faulty_pair, FaultPlan(truncate_after=2 * (HEADER_SIZE + page) + HEADER_SIZE + page // 2))
     assert got.reason is Reason.PEER_LOST and sent.reason is Reason.PEER_LOST
     assert len(got.pages_poisoned) == 3
 
 
-async def test_reset_mid_transfer(pair):
-    got, sent, _, _ = await run_failing(pair, FaultPlan(reset_after=HEADER_SIZE + 1000))
+async def test_reset_mid_transfer(faulty_pair):
+    got, sent, _, _ = await run_failing(faulty_pair, FaultPlan(reset_after=HEADER_SIZE + 1000))
     assert got.reason is Reason.PEER_LOST and sent.reason is Reason.PEER_LOST
 
 
@@ -116,30 +117,31 @@ async def test_foreign_reservation_fails_only_the_sender(pair):
     assert sent.reason is Reason.UNKNOWN_RESERVATION
 
 
-async def test_frame_aimed_at_a_page_outside_the_lease(pair):
-    got, sent, dst, snapshot = await run_failing(pair, FaultPlan(rewrite={0: {"dest_page_id": 5}}))
+async def test_frame_aimed_at_a_page_outside_the_lease(faulty_pair):
+    got, sent, dst, snapshot = await run_failing(
+        faulty_pair, FaultPlan(rewrite={0: {"dest_page_id": 5}}))
     assert got.reason is sent.reason is Reason.OUT_OF_RANGE
     assert (dst.array == snapshot).all()
 
 
-async def test_duplicated_frame(pair):
-    got, sent, _, _ = await run_failing(pair, FaultPlan(duplicate={0}))
+async def test_duplicated_frame(faulty_pair):
+    got, sent, _, _ = await run_failing(faulty_pair, FaultPlan(duplicate={0}))
     assert got.reason is sent.reason is Reason.DUPLICATE
 
 
-async def test_reordered_frames(pair):
-    got, sent, dst, snapshot = await run_failing(pair, FaultPlan(reorder=((0, 1),)))
+async def test_reordered_frames(faulty_pair):
+    got, sent, dst, snapshot = await run_failing(faulty_pair, FaultPlan(reorder=((0, 1),)))
     assert got.reason is sent.reason is Reason.MISORDERED
     assert (dst.array == snapshot).all()
 
 
-async def test_dropped_frame(pair):
-    got, sent, _, _ = await run_failing(pair, FaultPlan(drop={3}))
+async def test_dropped_frame(faulty_pair):
+    got, sent, _, _ = await run_failing(faulty_pair, FaultPlan(drop={3}))
     assert got.reason is sent.reason is Reason.MISORDERED
 
 
-async def test_corrupt_header(pair):
-    got, sent, _, _ = await run_failing(pair, FaultPlan(corrupt_header={2}))
+async def test_corrupt_header(faulty_pair):
+    got, sent, _, _ = await run_failing(faulty_pair, FaultPlan(corrupt_header={2}))
     assert got.reason is sent.reason is Reason.BAD_HEADER
 
 
@@ -150,17 +152,17 @@ async def test_short_prompt_into_long_reservation_is_refused(pair):
     assert (dst.array == snapshot).all()
 
 
-async def test_commit_without_every_page(pair):
+async def test_commit_without_every_page(faulty_pair):
     """All page frames correct, but the commit claims fewer pages (coverage check)."""
-    got, sent, _, _ = await run_failing(pair, FaultPlan(rewrite={7: {"page_index": 6}}))
+    got, sent, _, _ = await run_failing(faulty_pair, FaultPlan(rewrite={7: {"page_index": 6}}))
     assert got.reason is sent.reason is Reason.INCOMPLETE
 
 
-async def test_fence_then_late_frames_never_land(pair):
-    receiver, sender, address = pair
+async def test_fence_then_late_frames_never_land(faulty_pair):
+    receiver, sender, address = faulty_pair
     src, dst, target, plan = make_case()
     fut = receiver.expect(target)
-    sender.faults = FaultPlan(delay={2: 0.3})  # frames 0, 1 land; the rest come late
+    sender.arm(plan.reservation_id, FaultPlan(delay={2: 0.3}))  # frames 0, 1 land; the rest late
     send = asyncio.ensure_future(sender.send(address, plan, src.views()))
     for _ in range(200):
         if receiver.stats.frames_received >= 2:

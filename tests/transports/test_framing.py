@@ -4,8 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transports import FrameError, make_transport
-from transports.framing import HEADER_SIZE, Kind, decode_header, encode_header, reservation_bytes
+from pdmesh.transports import FrameError, make_transport
+from pdmesh.transports.framing import (
+    HEADER_SIZE,
+    Kind,
+    decode_header,
+    encode_header,
+    reservation_bytes,
+)
 
 
 def test_roundtrip():

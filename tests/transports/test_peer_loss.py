@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transport_cases import Pages
 
-from transports import ExpectedTransfer, Reason, TransferError, TransferPlan
+from pdmesh.transports import ExpectedTransfer, Reason, TransferError, TransferPlan
 
 PEER = Path(__file__).with_name("peer_process.py")
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import uuid
 
 import numpy as np
 
-from transports import ExpectedTransfer, TransferPlan
+from pdmesh.transports import ExpectedTransfer, TransferPlan
 
 
 class Pages:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.admission.policy import Admitted, Rejected, WorkerView, decide
-from services.capacity import audit_capacity, decode_refusal, prefill_refusal
-from services.messages import RejectReason
+from pdmesh.services.admission.policy import Admitted, Rejected, WorkerView, decide
+from pdmesh.services.capacity import audit_capacity, decode_refusal, prefill_refusal
+from pdmesh.services.messages import Code
 
 PAGE = st.sampled_from([1, 4, 16, 64])
 
@@ -18,7 +18,7 @@ def worker(name: str, configured: int, pool_tokens: int, page: int,
     capacity = (pool_tokens // page) * page
     served, _ = audit_capacity(configured, capacity, "clamp", "test")
     return WorkerView(worker_id=name, capacity_tokens=capacity,
-                      free_tokens=int(capacity * free_frac) // page * page, page_tokens=page,
+                      available_tokens=int(capacity * free_frac) // page * page, page_tokens=page,
                       served_context=served)
 
 
@@ -42,7 +42,7 @@ def test_admission_prefill_and_decode_always_agree(context: int, prefill_pool: i
         assert prompt <= p.capacity_tokens
     else:
         assert isinstance(decision, Rejected)
-        if decision.reason is RejectReason.SATURATED:
+        if decision.reason is Code.SATURATED:
             assert not p_refuses and not d_refuses  # only the *current* load stopped it
         else:
             # A static rejection always has a worker that would refuse it too.
@@ -54,15 +54,15 @@ def test_over_capacity_prompt_is_context_length_exceeded() -> None:
     d = worker("d", 16384, 4096, 16, 1.0)
     got = decide(5000, 16, [p], [d])
     assert isinstance(got, Rejected)
-    assert got.reason is RejectReason.CONTEXT_LENGTH_EXCEEDED
+    assert got.reason is Code.CONTEXT_LENGTH_EXCEEDED
     assert got.limit == 4096  # the live, clamped figure, not the configured 16384
 
 
 def test_no_workers_and_saturated() -> None:
     p = worker("p", 4096, 4096, 16, 1.0)
     busy = worker("d", 4096, 4096, 16, 0.0)
-    assert decide(10, 10, [], [busy]).reason is RejectReason.NO_WORKERS  # type: ignore[union-attr]
-    assert decide(10, 10, [p], [busy]).reason is RejectReason.SATURATED  # type: ignore[union-attr]
+    assert decide(10, 10, [], [busy]).reason is Code.NO_WORKERS  # type: ignore[union-attr]
+    assert decide(10, 10, [p], [busy]).reason is Code.SATURATED  # type: ignore[union-attr]
 
 
 def test_picks_the_decode_with_most_free_pages() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.tokenizer import ChatTemplateError, HFTokenizer, chatml
+from pdmesh.services.engine.tokenizer import ChatTemplateError, HFTokenizer, chatml
 
 STRICT = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
           "{{ raise_exception('roles must alternate') }}{% endif %}"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import math
 
-from services import check
-from services import messages as m
-from services.admission import bench
+from pdmesh.loadtest import check
+from pdmesh.loadtest.bench import admission as bench
+from pdmesh.services import messages as m
 
 
 def beat(worker_id: str, role: m.Role = m.Role.DECODE, *, configured: int = 4096,
@@ -18,7 +18,7 @@ def beat(worker_id: str, role: m.Role = m.Role.DECODE, *, configured: int = 4096
     flagged = configured > pool if flagged is None else flagged
     return m.Heartbeat(worker_id=worker_id, role=role, model="tiny", configured_context=configured,
                        pool_capacity_tokens=pool, served_context=served,
-                       capacity_mismatch=flagged, free_tokens=pool, page_tokens=16,
+                       capacity_mismatch=flagged, available_tokens=pool, page_tokens=16,
                        data_address=f"tcp://127.0.0.1:{abs(hash(worker_id)) % 60000}", **kw)
 
 
@@ -115,7 +115,7 @@ def test_json_report_shape() -> None:
     assert {"free_tokens", "queue_depth", "data_address", "model", "role"} <= set(w)
 
 
-def test_main_unreachable_nats_is_one_line_and_exit_2(capsys) -> None:  # noqa: ANN001
+def test_main_unreachable_nats_is_one_line_and_exit_2(capsys) -> None:
     code = check.main(["--nats-url", "nats://127.0.0.1:1", "--connect-timeout-s", "0.5",
                        "--json"])
     out, err = capsys.readouterr()
@@ -159,7 +159,7 @@ def test_parse_histogram_from_metrics_text() -> None:
 
 def test_bench_cases_are_all_static_rejections() -> None:
     """Every bench request must be refused by a static limit: none may reach a worker."""
-    from services.admission.policy import Rejected, WorkerView, decide
+    from pdmesh.services.admission.policy import Rejected, WorkerView, decide
 
     pre = WorkerView("p", bench.PREFILL_POOL, bench.PREFILL_POOL, bench.PAGE_TOKENS,
                      bench.PREFILL_POOL)
@@ -169,4 +169,4 @@ def test_bench_cases_are_all_static_rejections() -> None:
         got = decide(case.prompt_len, case.max_tokens, [pre], [dec])
         assert isinstance(got, Rejected) and got.reason is case.expect, case
     got = decide(bench.NO_WORKERS.prompt_len, bench.NO_WORKERS.max_tokens, [], [])
-    assert isinstance(got, Rejected) and got.reason is m.RejectReason.NO_WORKERS
+    assert isinstance(got, Rejected) and got.reason is m.Code.NO_WORKERS

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.config import SETTINGS, markdown_table, resolve
-from services.errors import ConfigError
+from pdmesh.services.config import SETTINGS, markdown_table, resolve
+from pdmesh.services.errors import ConfigError
 from tests.meshproc import REPO
 
 
 def test_readme_documents_every_setting() -> None:
     readme = (REPO / "README.md").read_text()
     assert markdown_table() in readme, "README settings table is stale: regenerate it with " \
-        "`python -m services.config`"
+        "`python -m pdmesh.services.config`"
     for s in SETTINGS:
         assert s.env in readme and s.flag in readme
 

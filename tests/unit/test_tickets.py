@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services import messages as m
-from services.errors import TicketError
-from services.tickets import TicketVerifier, sign
+from pdmesh.services import messages as m
+from pdmesh.services.errors import TicketError
+from pdmesh.services.tickets import TicketVerifier, sign
 
 SECRET = "test-secret"
 

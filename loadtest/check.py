@@ -29,7 +29,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services import messages as m
+import nats
+
+from pdmesh.services import messages as m
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 WORKER_ROLES = (m.Role.PREFILL, m.Role.DECODE)
@@ -83,7 +85,7 @@ class WorkerRow:
             "pool_capacity_tokens": b.pool_capacity_tokens,
             "served_context": b.served_context, "capacity_mismatch": self.mismatch,
             "mismatch": self.mismatch_label, "flagged_by_worker": b.capacity_mismatch,
-            "free_tokens": b.free_tokens, "page_tokens": b.page_tokens,
+            "free_tokens": b.available_tokens, "page_tokens": b.page_tokens,
             "queue_depth": b.queue_depth, "active_requests": b.active_requests,
             "data_address": b.data_address, "http_address": b.http_address,
             "ready": b.ready, "draining": b.draining, "beats_seen": self.beats_seen,
@@ -171,8 +173,8 @@ def _cells(r: WorkerRow) -> list[str]:
         mismatch = f"!! {mismatch} !!"
     state = " (draining)" if b.draining else ""
     return [b.role.value, b.worker_id + state, b.model, str(b.configured_context),
-            str(b.pool_capacity_tokens), str(b.served_context), mismatch, str(b.free_tokens),
-            str(b.queue_depth), b.data_address or "-"]
+            str(b.pool_capacity_tokens), str(b.served_context), mismatch,
+            str(b.available_tokens), str(b.queue_depth), b.data_address or "-"]
 
 
 def _stats_cells(r: WorkerRow) -> list[str]:
@@ -228,8 +230,6 @@ class Unreachable(Exception):
 
 
 async def _connect(url: str, timeout_s: float) -> Any:
-    import nats
-
     errors: list[Exception] = []
 
     async def quiet(exc: Exception) -> None:

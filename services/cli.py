@@ -12,23 +12,24 @@ import os
 import sys
 from collections.abc import Sequence
 
-from services.config import SETTINGS, ArgumentParser, add_arguments, resolve
-from services.errors import PdmeshError
+from pdmesh.services.config import SETTINGS, ArgumentParser, add_arguments, resolve
+from pdmesh.services.errors import PdmeshError
 
 SERVE = {
-    "admission": "services.admission.service",
-    "prefill": "services.prefill.service",
-    "decode": "services.decode.service",
-    "colocated": "services.colocated.service",
-    "gateway": "gateway.app",
+    "admission": "pdmesh.services.admission.service",
+    "prefill": "pdmesh.services.prefill.service",
+    "decode": "pdmesh.services.decode.service",
+    "colocated": "pdmesh.services.colocated.service",
+    "gateway": "pdmesh.gateway.app",
 }
 BENCH = {
-    "engine": "services.engine.bench",
-    "transport": "transports.bench",
-    "admission": "services.admission.bench",
-    "prefix-cache": "services.engine.prefix_bench",
+    "engine": "pdmesh.loadtest.bench.engine",
+    "transport": "pdmesh.loadtest.bench.transport",
+    "admission": "pdmesh.loadtest.bench.admission",
+    "prefix-cache": "pdmesh.loadtest.bench.prefix",
 }
-PASSTHROUGH = {"loadtest": "loadtest.cli", "soak": "loadtest.soak", "check": "services.check"}
+PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak",
+               "check": "pdmesh.loadtest.check"}
 UP_FLAGS = ("nats_url", "gateway_port", "transport", "model", "mesh_secret", "tenants_file",
             "max_context", "kv_tokens", "page_tokens", "scrub", "on_capacity_mismatch",
             "log_level")
@@ -65,7 +66,8 @@ def cmd_serve(role: str, argv: Sequence[str]) -> int:
 
 
 def cmd_up(argv: Sequence[str]) -> int:
-    from services.launcher import Launcher, run_up
+    # Lazy like every command's module: `pdmesh serve gateway` must not load the launcher.
+    from pdmesh.services.launcher import Launcher, run_up
 
     parser = ArgumentParser(
         prog="pdmesh up", description="Run the whole mesh locally: embedded nats-server, "

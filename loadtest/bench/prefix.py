@@ -18,16 +18,17 @@ pass/fail.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
 
-from kvstore import PrefixCache
-from services.engine.models import load_model
-from services.engine.runner import Engine, make_pool
+from pdmesh.kvstore import PrefixCache
+from pdmesh.kvstore.spec import pages_for
+from pdmesh.loadtest.bench import print_report
+from pdmesh.services.engine.models import load_model
+from pdmesh.services.engine.runner import Engine, make_pool
 
 SUFFIX_SEED_BASE = 1000
 
@@ -52,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if prompt_len > model.config.max_context:
         parser.error(f"prompt of {prompt_len} tokens exceeds the model's context")
     page = args.page_tokens
-    pages_per_prompt = -(-prompt_len // page)
-    pool = make_pool(model, num_pages=pages_per_prompt * (args.tenants + 3), page_size=page,
+    pages_per_prompt = pages_for(prompt_len, page)
+    pool = make_pool(model, num_pages=pages_per_prompt * (args.tenants + 3), page_tokens=page,
                      device=args.device)
     engine = Engine(model, pool)
     cache = PrefixCache(pool, align_tokens=engine.prefix_align_tokens)
@@ -129,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "evicted_pages": cache.stats.evicted_pages,
         "wall_s": time.perf_counter() - bench_started,
     }
-    if not args.json:
-        for key, value in report.items():
-            print(f"{key:32s} {value:.4f}" if isinstance(value, float) else f"{key:32s} {value}")
-    print(json.dumps(report) if args.json else "")
+    print_report(report, args.json, decimals=4)
     return 0
 
 

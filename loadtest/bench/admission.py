@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import math
+import socket
 import subprocess
 import sys
 import time
@@ -33,7 +34,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services import messages as m
+import aiohttp
+import nats
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdmesh.services import messages as m
+from pdmesh.services.admission.service import AdmissionService
+from pdmesh.services.config import resolve
+from pdmesh.services.launcher import free_port, nats_server_binary
+from pdmesh.services.runtime import counter_total
 
 TARGET_MEDIAN_MS = 2.0
 TARGET_MEDIAN_S = TARGET_MEDIAN_MS / 1000.0
@@ -52,17 +61,17 @@ class Case:
     name: str
     prompt_len: int
     max_tokens: int
-    expect: m.RejectReason
+    expect: m.Code
 
 
 # Every case is rejected by a static limit: nothing is ever reserved or dispatched.
 CASES = (
-    Case("context_length_exceeded", DECODE_POOL + 904, 64, m.RejectReason.CONTEXT_LENGTH_EXCEEDED),
+    Case("context_length_exceeded", DECODE_POOL + 904, 64, m.Code.CONTEXT_LENGTH_EXCEEDED),
     Case("prompt_exceeds_prefill_pool", PREFILL_POOL + 952, 32,
-         m.RejectReason.PROMPT_EXCEEDS_PREFILL_POOL),
-    Case("max_tokens_over_context", 1000, DECODE_POOL, m.RejectReason.CONTEXT_LENGTH_EXCEEDED),
+         m.Code.PROMPT_EXCEEDS_PREFILL_POOL),
+    Case("max_tokens_over_context", 1000, DECODE_POOL, m.Code.CONTEXT_LENGTH_EXCEEDED),
 )
-NO_WORKERS = Case("no_workers", 100, 16, m.RejectReason.NO_WORKERS)
+NO_WORKERS = Case("no_workers", 100, 16, m.Code.NO_WORKERS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -109,8 +118,6 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
 
 def parse_histogram(text: str, name: str, labels: dict[str, str]) -> list[tuple[float, float]]:
     """Cumulative (le, count) buckets of histogram `name` with `labels` from /metrics text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out = []
     for family in text_string_to_metric_families(text):
         if family.name != name:
@@ -155,7 +162,7 @@ class Phase:
 def heartbeat(role: m.Role, worker_id: str, pool: int) -> m.Heartbeat:
     return m.Heartbeat(worker_id=worker_id, role=role, model="bench-synthetic",
                        data_address="tcp://127.0.0.1:9", pool_capacity_tokens=pool,
-                       free_tokens=pool, page_tokens=PAGE_TOKENS,
+                       available_tokens=pool, page_tokens=PAGE_TOKENS,
                        configured_context=CONFIGURED_CONTEXT, served_context=pool,
                        capacity_mismatch=True, sent_at=time.time())
 
@@ -183,11 +190,6 @@ class Bench:
         child.observe = observe
 
     async def start(self) -> None:
-        import nats
-
-        from services.admission.service import AdmissionService
-        from services.config import resolve
-
         cfg = resolve("admission", {
             "nats_url": self.url, "http_port": 0, "worker_id": "admission-bench",
             "mesh_secret": uuid.uuid4().hex, "queue_timeout_s": 0.5,
@@ -200,8 +202,8 @@ class Bench:
         async def worker_heard(msg: Any) -> None:
             self.worker_messages += 1
             if msg.reply:  # answer a stray reserve so nothing waits for a timeout
-                await msg.respond(m.encode(m.ReserveReply(
-                    ok=False, request_id="", error="bench: no worker here")))
+                await msg.respond(m.encode(m.ReserveRefused(request_id="", outcome=m.Outcome(
+                    code=m.Code.RESERVE_FAILED, detail="bench: no worker here"))))
 
         await self.nc.subscribe(f"{m.PREFIX}.decode.*.reserve", cb=worker_heard)
         await self.nc.subscribe(f"{m.PREFIX}.prefill.*.dispatch", cb=worker_heard)
@@ -256,14 +258,14 @@ class Bench:
                     continue
                 phase.client_s.append(time.perf_counter() - t0)
                 reply = dec.decode(m.SUBMIT_SUBJECT, msg.data)
-                if reply.admitted or reply.rejection is None:
+                if not isinstance(reply, m.Rejected):
                     phase.unexpected.append(f"{req.request_id}: admitted")
                     continue
-                key = reply.rejection.reason.name.lower()
+                key = reply.outcome.label
                 phase.reasons[key] = phase.reasons.get(key, 0) + 1
-                if reply.rejection.reason is not case.expect:
+                if reply.outcome.code is not case.expect:
                     phase.unexpected.append(f"{req.request_id}: {key}, expected "
-                                            f"{case.expect.name.lower()}")
+                                            f"{case.expect.label}")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
@@ -272,20 +274,15 @@ class Bench:
         return phase
 
     async def scrape(self) -> str:
-        import aiohttp
-
         url = f"http://127.0.0.1:{self.svc.rt.http_port}/metrics"
         async with aiohttp.ClientSession() as s, s.get(url) as resp:
             return await resp.text()
 
     def counters(self) -> dict[str, float]:
-        from services.runtime import counter_total
-
         svc = self.svc
         return {"tickets_issued": counter_total(svc.tickets_issued),
                 "reservations": counter_total(svc.reservations),
                 "dispatches": counter_total(svc.dispatches),
-                "rejected_handoffs": counter_total(svc.rejected_handoffs),
                 "worker_messages": float(self.worker_messages)}
 
 
@@ -330,8 +327,8 @@ async def run(nats_url: str, args: argparse.Namespace) -> dict[str, Any]:
     thr = phases["throughput"].report()
     unexpected = [u for p in phases.values() for u in p.unexpected]
     violations = (int(counters["tickets_issued"] + counters["reservations"]
-                      + counters["dispatches"] + counters["rejected_handoffs"]
-                      + counters["worker_messages"]) + len(unexpected))
+                      + counters["dispatches"] + counters["worker_messages"])
+                  + len(unexpected))
     server_median = lat["server"]["median_ms"]
     return {
         "bench": "admission",
@@ -346,17 +343,13 @@ async def run(nats_url: str, args: argparse.Namespace) -> dict[str, Any]:
         "phases": {k: p.report() for k, p in phases.items()},
         "i1": {**counters, "violations": violations},
         "cases": {c.name: {"prompt_len": c.prompt_len, "max_tokens": c.max_tokens,
-                           "expect": c.expect.name.lower()} for c in (*CASES, NO_WORKERS)},
+                           "expect": c.expect.label} for c in (*CASES, NO_WORKERS)},
         "synthetic_workers": {"prefill_pool": PREFILL_POOL, "decode_pool": DECODE_POOL,
                               "configured_context": CONFIGURED_CONTEXT},
     }
 
 
 def start_nats() -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    from services.launcher import free_port, nats_server_binary
-
     port = free_port()
     proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

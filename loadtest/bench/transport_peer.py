@@ -22,14 +22,14 @@ import sys
 
 import numpy as np
 
+from pdmesh.transports import ExpectedTransfer, make_transport
+
 PAGE_BYTES = 1 << 20
 PAGE_TOKENS = 16
 MAX_PAGES = 64
 
 
 async def _serve(kind: str) -> None:
-    from . import ExpectedTransfer, make_transport
-
     loop = asyncio.get_running_loop()
     dst = np.zeros((MAX_PAGES, PAGE_BYTES), np.uint8)
     views = [memoryview(p) for p in dst]
@@ -38,9 +38,9 @@ async def _serve(kind: str) -> None:
     raw_expected: asyncio.Queue[int] = asyncio.Queue()
     pending: set[asyncio.Future] = set()
     if kind == "ucx":
-        from .ucx import ucx
+        from pdmesh.transports.ucx import ucx
 
-        async def on_connect(ep) -> None:  # noqa: ANN001
+        async def on_connect(ep) -> None:  # ep: a ucxx endpoint
             nbytes = await raw_expected.get()
             await ep.recv(dst.reshape(-1)[:nbytes])
             await ep.send(np.ones(1, np.uint8))

@@ -5,33 +5,37 @@ beside a raw baseline of the same bytes in the same run and the same process lay
 non-blocking socket send/recv for tcp, a bare ucxx `send`/`recv` for ucx. Prints GB/s and
 the ratio; with --json the last stdout line is one JSON object.
 
-Layouts: `process` (default) receives in a child process (`transports.bench_peer`), as
-decode receives from prefill, so sender and receiver work in parallel and each side pays
-one checksum pass; both the transport and the raw baseline are timed until the receiver
-acknowledged. `loop` runs both sides in one event loop (everything serialised).
+Layouts: `process` (default) receives in a child process
+(`pdmesh.loadtest.bench.transport_peer`), as decode receives from prefill, so sender and
+receiver work in parallel and each side pays one checksum pass; both the transport and the
+raw baseline are timed until the receiver acknowledged. `loop` runs both sides in one event
+loop (everything serialised).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from types import ModuleType
 
 import numpy as np
+
+from pdmesh.transports import ExpectedTransfer, TransferPlan, make_transport
 
 SIZES_MIB = (1, 16, 64)
 PAGE_BYTES = 1 << 20
 PAGE_TOKENS = 16
 
 
-async def _transport_once(kind: str, payload: np.ndarray, dst: np.ndarray, pair) -> float:
-    from .base import ExpectedTransfer, TransferPlan
-
+async def _transport_once(payload: np.ndarray, dst: np.ndarray, pair) -> float:
     receiver, sender, address = pair
     n = payload.shape[0]
     rid = uuid.uuid4().hex
@@ -47,10 +51,8 @@ async def _transport_once(kind: str, payload: np.ndarray, dst: np.ndarray, pair)
 
 async def _raw_tcp_once(payload: np.ndarray, dst: np.ndarray) -> float:
     loop = asyncio.get_running_loop()
-    a, b = socket.socketpair()  # loopback pair without the transport's framing
-    listener = socket.create_server(("127.0.0.1", 0))
+    listener = socket.create_server(("127.0.0.1", 0))  # loopback, no transport framing
     listener.setblocking(False)
-    a.close(), b.close()
     client = socket.socket()
     client.setblocking(False)
     await loop.sock_connect(client, listener.getsockname())
@@ -99,7 +101,7 @@ class _Peer:
     @classmethod
     async def start(cls, kind: str) -> _Peer:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "transports.bench_peer", kind,
+            sys.executable, "-m", "pdmesh.loadtest.bench.transport_peer", kind,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         assert proc.stdout is not None
         while not (line := await proc.stdout.readline()).startswith(b"{"):
@@ -127,8 +129,6 @@ class _Peer:
 
 
 async def _peer_transport_once(peer: _Peer, sender, payload: np.ndarray) -> float:
-    from .base import TransferPlan
-
     n = payload.shape[0]
     rid = uuid.uuid4().hex
     await peer.command(f"expect {rid} {n}")
@@ -163,35 +163,57 @@ async def _peer_raw_once(peer: _Peer, kind: str, payload: np.ndarray, ucx) -> fl
     return seconds
 
 
-async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[dict]:
-    from . import make_transport
+def _ucx_for(kind: str) -> ModuleType | None:
+    """The ucxx module for `ucx` (an optional dependency, imported only when asked)."""
+    if kind != "ucx":
+        return None
+    from pdmesh.transports.ucx import ucx
 
+    return ucx
+
+
+def _payload(mib: int) -> np.ndarray:
+    n = mib * (1 << 20) // PAGE_BYTES
+    return np.random.default_rng(mib).integers(0, 256, (n, PAGE_BYTES), np.uint8)
+
+
+async def _best_of(repeat: int, t_end: float, transport_once: Callable[[], Awaitable[float]],
+                   raw_once: Callable[[], Awaitable[float]]) -> tuple[float, float]:
+    """Fastest transport and raw seconds of `repeat` alternating runs (until `t_end`)."""
+    best_t = best_raw = float("inf")
+    for _ in range(repeat):
+        if time.monotonic() > t_end:
+            break
+        best_t = min(best_t, await transport_once())
+        best_raw = min(best_raw, await raw_once())
+    return best_t, best_raw
+
+
+def _row(kind: str, mib: int, layout: str, nbytes: int, best_t: float,
+         best_raw: float) -> dict:
+    row = {"transport": kind, "mib": mib, "layout": layout,
+           "transport_gbps": nbytes / best_t / 1e9, "raw_gbps": nbytes / best_raw / 1e9}
+    row["ratio"] = row["transport_gbps"] / row["raw_gbps"]
+    return row
+
+
+async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[dict]:
     t_end = time.monotonic() + budget_s
     results = []
     for kind in kinds:
-        ucx = None
-        if kind == "ucx":
-            from .ucx import ucx
+        ucx = _ucx_for(kind)
         peer = await _Peer.start(kind)
         sender = make_transport(kind)
         await sender.start()
         try:
             for mib in SIZES_MIB:
-                n = mib * (1 << 20) // PAGE_BYTES
-                payload = np.random.default_rng(mib).integers(0, 256, (n, PAGE_BYTES), np.uint8)
+                payload = _payload(mib)
                 await _peer_transport_once(peer, sender, payload)  # warm-up (connect, pages)
                 await _peer_raw_once(peer, kind, payload, ucx)
-                best_t = best_raw = float("inf")
-                for _ in range(repeat):
-                    if time.monotonic() > t_end:
-                        break
-                    best_t = min(best_t, await _peer_transport_once(peer, sender, payload))
-                    best_raw = min(best_raw, await _peer_raw_once(peer, kind, payload, ucx))
-                row = {"transport": kind, "mib": mib, "layout": "process",
-                       "transport_gbps": payload.nbytes / best_t / 1e9,
-                       "raw_gbps": payload.nbytes / best_raw / 1e9}
-                row["ratio"] = row["transport_gbps"] / row["raw_gbps"]
-                results.append(row)
+                best_t, best_raw = await _best_of(
+                    repeat, t_end, functools.partial(_peer_transport_once, peer, sender, payload),
+                    functools.partial(_peer_raw_once, peer, kind, payload, ucx))
+                results.append(_row(kind, mib, "process", payload.nbytes, best_t, best_raw))
         finally:
             await sender.close()
             await peer.stop()
@@ -208,38 +230,25 @@ async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> d
 
 
 async def _run_loop(kinds: list[str], repeat: int, budget_s: float) -> list[dict]:
-    from . import make_transport
-
     t_end = time.monotonic() + budget_s
     results = []
     for kind in kinds:
-        ucx = None
-        if kind == "ucx":
-            from .ucx import ucx
+        ucx = _ucx_for(kind)
         receiver, sender = make_transport(kind), make_transport(kind)
         pair = (receiver, sender, await receiver.start())
         await sender.start()
         try:
             for mib in SIZES_MIB:
-                n = mib * (1 << 20) // PAGE_BYTES
-                payload = np.random.default_rng(mib).integers(0, 256, (n, PAGE_BYTES), np.uint8)
+                payload = _payload(mib)
                 dst = np.zeros_like(payload)
-                best_t = best_raw = float("inf")
-                await _transport_once(kind, payload, dst, pair)  # warm-up (connect, pages)
-                for _ in range(repeat):
-                    if time.monotonic() > t_end:
-                        break
-                    best_t = min(best_t, await _transport_once(kind, payload, dst, pair))
-                    raw = (_raw_ucx_once(payload, dst, ucx) if kind == "ucx"
-                           else _raw_tcp_once(payload, dst))
-                    best_raw = min(best_raw, await raw)
+                await _transport_once(payload, dst, pair)  # warm-up (connect, pages)
+                raw_once = (functools.partial(_raw_ucx_once, payload, dst, ucx)
+                            if ucx is not None else functools.partial(_raw_tcp_once, payload, dst))
+                best_t, best_raw = await _best_of(
+                    repeat, t_end, functools.partial(_transport_once, payload, dst, pair),
+                    raw_once)
                 assert (dst == payload).all()
-                nbytes = payload.nbytes
-                row = {"transport": kind, "mib": mib, "layout": "loop",
-                       "transport_gbps": nbytes / best_t / 1e9,
-                       "raw_gbps": nbytes / best_raw / 1e9}
-                row["ratio"] = row["transport_gbps"] / row["raw_gbps"]
-                results.append(row)
+                results.append(_row(kind, mib, "loop", payload.nbytes, best_t, best_raw))
         finally:
             await sender.close()
             await receiver.close()
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if "ucx" in kinds:
-        from .ucx import ucx_import_error
+        from pdmesh.transports.ucx import ucx_import_error
 
         if ucx_import_error is not None:
             print(f"skipping ucx: {ucx_import_error}", file=sys.stderr)
