@@ -172,7 +172,7 @@ class KVPool:
         epoch = self._next_epoch
         self._next_epoch += 1
         lease = Lease(
-            lease_id=uuid.uuid4().hex,
+            lease_id=str(uuid.uuid4()),  # also the reservation id on the wire (UUID)
             request_id=request_id,
             epoch=epoch,
             page_ids=page_ids,

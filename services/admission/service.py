@@ -30,6 +30,7 @@ from pdmesh.services.admission.policy import (
 )
 from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.config import ServiceConfig
+from pdmesh.services.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime import ServiceRuntime, counter_total, run_service
 
 log = logging.getLogger("pdmesh.admission")
@@ -101,12 +102,23 @@ class AdmissionService:
 
     async def handle(self, req: m.SubmitRequest,
                      headers: Mapping[str, str] | None = None) -> m.SubmitReply:
-        """Admit (reserve + dispatch) or reject. Static limits reject at once; a mesh that
-        is only busy right now is waited on for up to `queue_timeout_s`, as a serving
-        engine queues, before the request is rejected as saturated (429)."""
+        """Admit (reserve + dispatch) or reject: RECEIVED -> ADMITTED or REJECTED, through
+        the lifecycle's checks (a reply can only reject with a rejection code)."""
+        life = Lifecycle(req.request_id)
+        reply = await self._decide(req, headers or {})
+        if isinstance(reply, m.Rejected):
+            life.finish(reply.outcome)
+        else:
+            life.advance(RequestState.ADMITTED)
+        return reply
+
+    async def _decide(self, req: m.SubmitRequest,
+                      headers: Mapping[str, str]) -> m.SubmitReply:
+        """Static limits reject at once; a mesh that is only busy right now is waited on for
+        up to `queue_timeout_s`, as a serving engine queues, before the request is rejected
+        as saturated (429)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.queue_timeout_s
-        headers = headers or {}
         tried: set[str] = set()
         decision: Admitted | Rejected
         while True:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -220,7 +219,7 @@ class DecodeService(WorkerBase):
         except PoolExhaustedError as exc:
             return self._refuse(t, "pool_full", m.Code.RESERVE_FAILED, str(exc))
         dreq = DecodeRequest(ticket=t, lease=lease,
-                             reservation_id=str(uuid.UUID(lease.lease_id)),
+                             reservation_id=lease.lease_id,
                              sampler=Sampler(SamplingParams(
                                  temperature=req.sampling.temperature,
                                  top_p=req.sampling.top_p, seed=req.sampling.seed,
