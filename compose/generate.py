@@ -1,9 +1,10 @@
 """Write the lab compose file and its CI override from `services/topology.py`.
 
 `pdmesh up` launches `topology.mesh_services()`; this script turns the same specs into
-`docker-compose.yml` (lab, TCP, one network namespace per container, so every worker keeps
-its role's default port) and `docker-compose.ci.yml` (host networking on loopback, ports
-shifted by CI_PORT_OFFSET, NATS from the project image). The committed files must equal
+`docker-compose.yml` (lab, TCP, one network namespace per container on the stack's own
+bridge network, so every worker keeps its role's default port; SmolLM2 by default, baked
+into the image) and `docker-compose.ci.yml` (the same bridge network, NATS from the project
+image, fast healthchecks, no restarts). The committed files must equal
 what this script writes; `tests/compose/test_compose_files.py` checks it.
 
     python compose/generate.py          # rewrite both files
@@ -27,8 +28,8 @@ LAB_FILE = COMPOSE_DIR / "docker-compose.yml"
 CI_FILE = COMPOSE_DIR / "docker-compose.ci.yml"
 IMAGE = "${PDMESH_IMAGE:-pdmesh:latest}"
 NATS_PORT, NATS_MONITOR_PORT = 4222, 8222
-CI_PORT_OFFSET = 10000  # CI ports: 18000 gateway, 181xx services, 14222 NATS, 18222 monitor
 TENANTS_PATH = "/run/secrets/tenants.toml"
+NATS_CONF_PATH = "/run/secrets/nats.conf"  # authorization block written by `pdmesh secrets`
 SECRETS_DIR = "${PDMESH_SECRETS_DIR:-./secrets}"
 
 HEADER = """\
@@ -40,20 +41,21 @@ LAB_WHAT = """\
 Lab stack (TCP data plane). From the repository root:
 #   docker-compose -f compose/docker-compose.yml up -d --build
 #   docker-compose -f compose/docker-compose.yml up -d --scale prefill=2 --scale decode=2
-# Needs compose/secrets/{tenants.toml,mesh.env} first: see compose/README.md.
+# Needs compose/secrets/ first (tenants.toml, then `pdmesh secrets --out compose/secrets` for
+# the NATS credentials and mesh.env): see compose/README.md.
 # Observability (Prometheus + Grafana on 127.0.0.1:3000): add --profile observability."""
 CI_WHAT = """\
-CI override (compose/ci.sh): host networking, everything on loopback, ports shifted by
-# +10000 so a `pdmesh up` on the default ports can run beside it, NATS from the project
-# image, no restarts (a crashing service must fail the run, not loop)."""
+CI override (compose/ci.sh): the lab's own bridge network (service names, advertised data
+# addresses and healthchecks across container network stacks), NATS from the project image,
+# fast healthchecks, no restarts (a crashing service must fail the run, not loop)."""
 
 
 def _ready_check(port: int, *, ci: bool) -> dict[str, Any]:
     check: dict[str, Any] = {"test": ["CMD", "pdmesh-ready", f"http://127.0.0.1:{port}/ready"]}
     if ci:
-        check.update(interval="1s", timeout="3s", retries=3, start_period="90s")
+        check.update(interval="1s", timeout="3s", retries=3, start_period="180s")
     else:
-        # start_period covers a first-run model download (PDMESH_MODEL=smollm2).
+        # start_period covers loading (dequantizing) the model on a slow CPU.
         check.update(interval="5s", timeout="3s", retries=3, start_period="300s")
     return check
 
@@ -71,7 +73,7 @@ def _depends_on(spec: ServiceSpec, specs: list[ServiceSpec]) -> dict[str, Any]:
 def _lab_service(spec: ServiceSpec, specs: list[ServiceSpec]) -> dict[str, Any]:
     env = {
         "PDMESH_NATS_URL": f"nats://nats:{NATS_PORT}",
-        "PDMESH_MODEL": "${PDMESH_MODEL:-tiny}",
+        "PDMESH_MODEL": "${PDMESH_MODEL:-smollm2}",
         "PDMESH_TRANSPORT": "tcp",
         "PDMESH_HTTP_HOST": "0.0.0.0",
         "PDMESH_LOG_LEVEL": "${PDMESH_LOG_LEVEL:-INFO}",
@@ -86,7 +88,8 @@ def _lab_service(spec: ServiceSpec, specs: list[ServiceSpec]) -> dict[str, Any]:
         "build": {"context": "..", "dockerfile": "compose/Dockerfile"},
         "command": list(spec.argv),
         "environment": env,
-        "env_file": [f"{SECRETS_DIR}/mesh.env"],
+        # The mesh secret, and this role's NATS user and password (every replica shares it).
+        "env_file": [f"{SECRETS_DIR}/mesh.env", f"{SECRETS_DIR}/nats-{spec.role}.env"],
     }
     if spec.role == "gateway":
         service["secrets"] = [{"source": "tenants", "target": "tenants.toml"}]
@@ -105,9 +108,10 @@ def lab() -> dict[str, Any]:
     services: dict[str, Any] = {
         "nats": {
             "image": "nats:2.10-alpine",
-            "command": ["--jetstream", "--store_dir", "/data",
+            "command": ["--config", NATS_CONF_PATH, "--jetstream", "--store_dir", "/data",
                         "--http_port", str(NATS_MONITOR_PORT)],
             "volumes": ["nats-data:/data"],
+            "secrets": [{"source": "nats_conf", "target": "nats.conf"}],
             "healthcheck": {
                 "test": ["CMD", "wget", "-q", "--spider",
                          f"http://127.0.0.1:{NATS_MONITOR_PORT}/healthz"],
@@ -121,7 +125,8 @@ def lab() -> dict[str, Any]:
     return {
         "services": services,
         "volumes": {"nats-data": {}, "prometheus-data": {}, "grafana-data": {}},
-        "secrets": {"tenants": {"file": f"{SECRETS_DIR}/tenants.toml"}},
+        "secrets": {"tenants": {"file": f"{SECRETS_DIR}/tenants.toml"},
+                    "nats_conf": {"file": f"{SECRETS_DIR}/nats.conf"}},
     }
 
 
@@ -151,39 +156,25 @@ def _observability(specs: list[ServiceSpec]) -> dict[str, Any]:
     }
 
 
-def ci_port(role: str, _index: int) -> int:
-    defaults = {s.role: s.http_port for s in mesh_services()}
-    return defaults[role] + CI_PORT_OFFSET
-
-
 def ci_specs() -> list[ServiceSpec]:
-    """The topology as CI runs it: one worker per role, shifted ports, one network."""
-    return mesh_services(port_for=ci_port, gateway_port=ci_port("gateway", 0))
+    """The topology as CI runs it: the lab's, one worker per role, default ports."""
+    return mesh_services()
 
 
 def ci() -> dict[str, Any]:
-    nats_port, monitor = NATS_PORT + CI_PORT_OFFSET, NATS_MONITOR_PORT + CI_PORT_OFFSET
     services: dict[str, Any] = {
         "nats": {
             "image": IMAGE,
-            "network_mode": "host",
-            "command": ["nats-server", "-a", "127.0.0.1", "-p", str(nats_port),
-                        "-m", str(monitor), "--jetstream", "--store_dir", "/tmp/nats"],
+            "command": ["nats-server", "--config", NATS_CONF_PATH, "-p", str(NATS_PORT),
+                        "-m", str(NATS_MONITOR_PORT), "--jetstream", "--store_dir", "/tmp/nats"],
             "healthcheck": {
-                "test": ["CMD", "pdmesh-ready", f"http://127.0.0.1:{monitor}/healthz"],
+                "test": ["CMD", "pdmesh-ready", f"http://127.0.0.1:{NATS_MONITOR_PORT}/healthz"],
                 "interval": "1s", "timeout": "3s", "retries": 3, "start_period": "20s"},
             "restart": "no",
         },
     }
     for spec in ci_specs():
-        env = {"PDMESH_NATS_URL": f"nats://127.0.0.1:{nats_port}",
-               "PDMESH_HTTP_HOST": "127.0.0.1"}
-        if spec.role in ("prefill", "decode"):
-            env["PDMESH_DATA_HOST"] = "127.0.0.1"
-        env.update(spec.env)
         services[spec.name] = {
-            "network_mode": "host",
-            "environment": env,
             "healthcheck": _ready_check(spec.http_port, ci=True),
             "restart": "no",
         }

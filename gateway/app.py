@@ -9,6 +9,7 @@ Every error, including 404/405/413 and unexpected ones, is answered in the OpenA
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import secrets
 import time
@@ -18,13 +19,22 @@ from typing import Any
 
 from aiohttp import web
 
-from pdmesh.gateway.generation import STREAM_STARTED, Generation
-from pdmesh.gateway.mesh import MeshClient, MeshRejected, MeshUnavailable
+from pdmesh.gateway.generation import STREAM_STARTED, Generation, json_response
+from pdmesh.gateway.mesh import MeshClient, MeshRejected, MeshUnavailable, Submission
 from pdmesh.gateway.metrics import GatewayMetrics
-from pdmesh.gateway.schema import ApiError, ChatBody, CompletionBody, parse_chat, parse_completion
+from pdmesh.gateway.schema import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
 from pdmesh.gateway.tenants import Tenant, TenantDirectory
 from pdmesh.services import faults
 from pdmesh.services import messages as m
+from pdmesh.services.admission.policy import context_rejection
 from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.config import ServiceConfig
 from pdmesh.services.engine.checkpoint import load_tokenizer
@@ -50,14 +60,19 @@ class Gateway:
         self.rt.extra_ready = self._workers_ready  # type: ignore[method-assign]
         self.tenants = TenantDirectory.load(cfg.tenants_file, cfg.mesh_secret)
         # The gateway tokenizes and detokenizes; it needs the tokenizer, not the weights.
-        self.tokenizer, self.model_name = load_tokenizer(cfg.model)
+        self.tokenizer, derived_name = load_tokenizer(cfg.model)
+        # Clients may send any served name (or --model itself); replies carry the first.
+        self.served_names = cfg.served_model_names or [derived_name]
+        self.model_name = self.served_names[0]
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
         # A test mesh copies the fault header onto the submit (services/faults.py).
         self.submit_headers = faults.gateway_headers(cfg)
+        self.bypass_checks = faults.gateway_bypass(cfg)
         # Admission may queue a request up to queue_timeout_s before answering.
         self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.queue_timeout_s
                                + cfg.reserve_timeout_s + 3.0)
-        self.metrics = GatewayMetrics(self.rt.registry)
+        self.metrics = GatewayMetrics(self.rt.registry, self.model_name)
+        self.version = _version()
 
     # -- wiring -------------------------------------------------------------------------
     def routes(self, app: web.Application) -> None:
@@ -65,6 +80,9 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version_info)
 
     async def start(self) -> None:
         self.rt.app._client_max_size = self.cfg.max_body_bytes
@@ -87,7 +105,7 @@ class Gateway:
         try:
             return await handler(request)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return json_response(exc.body(), status=exc.status)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -97,14 +115,14 @@ class Gateway:
                            f"request body exceeds {self.cfg.max_body_bytes} bytes",
                            code=code)
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-            return web.json_response(err.body(), status=exc.status, headers=allow)
+            return json_response(err.body(), status=exc.status, headers=allow)
         except Exception:
             if request.get(STREAM_STARTED):
                 raise  # the SSE headers are out: aiohttp can only drop the connection
             log.exception("gateway: unexpected error on %s %s", request.method, request.path)
             err = ApiError(500, "internal error in the gateway", type_="server_error",
                            code="internal_error")
-            return web.json_response(err.body(), status=500)
+            return json_response(err.body(), status=500)
 
     # -- endpoints ----------------------------------------------------------------------
     def _auth(self, request: web.Request) -> Tenant:
@@ -114,12 +132,44 @@ class Gateway:
                            type_="authentication_error")
         return tenant
 
+    def served_context(self) -> int:
+        """The largest context a live decode worker serves (0 while none is heard)."""
+        return max((v.served_context for v in self.registry.views(m.Role.DECODE)), default=0)
+
     async def models(self, request: web.Request) -> web.Response:
         self._auth(request)
-        contexts = [v.served_context for v in self.registry.views(m.Role.DECODE)]
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "pdmesh",
-            "max_model_len": max(contexts, default=0)}]})
+        # As vLLM: `root` is what was loaded (--model), `parent` null for a base model.
+        return json_response({"object": "list", "data": [{
+            "id": name, "object": "model", "created": 0, "owned_by": "pdmesh",
+            "root": self.cfg.model, "parent": None, "max_model_len": self.served_context()}
+            for name in self.served_names]})
+
+    async def version_info(self, _request: web.Request) -> web.Response:
+        return json_response({"version": self.version})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: `prompt` (as /v1/completions) or `messages` (as chat, with the
+        chat template) -> {count, max_model_len, tokens}."""
+        self._auth(request)
+        body = parse_tokenize(await request.read())
+        self._check_model(body)
+        if body.messages is not None:
+            ids = self._chat_ids(body.messages)
+        elif body.prompt is not None:
+            if not body.prompt:
+                raise ApiError(400, "prompt must not be empty", param="prompt")
+            ids = self.tokenizer.encode(body.prompt)
+        else:
+            raise ApiError(400, "give 'prompt' or 'messages'", param="prompt")
+        return json_response({"count": len(ids), "max_model_len": self.served_context(),
+                              "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        body = parse_detokenize(await request.read())
+        self._check_model(body)
+        self._check_ids(body.tokens, "tokens")
+        return json_response({"prompt": self.tokenizer.decode(body.tokens)})
 
     @contextlib.contextmanager
     def _validating(self, tenant: Tenant) -> Iterator[None]:
@@ -131,18 +181,31 @@ class Gateway:
                 code=m.Code.INVALID, detail=exc.message), 0.0)
             raise
 
-    def _check_model(self, body: CompletionBody | ChatBody) -> None:
-        if body.model not in (self.model_name, "") and body.model != self.cfg.model:
+    def _check_model(self, body: Any) -> None:
+        if body.model not in (*self.served_names, "", self.cfg.model):
             raise ApiError(404, f"The model {body.model!r} does not exist; this mesh serves "
                            f"{self.model_name!r}", code="model_not_found", param="model")
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param=param)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._auth(request)
         with self._validating(tenant):
             body = parse_completion(await request.read())
             self._check_model(body)
+            self._check_limits(body)
             ids = self._prompt_ids(body)
         return await self._generate(request, tenant, body, ids, chat=False)
+
+    def _check_limits(self, body: CompletionBody | ChatBody) -> None:
+        """The checks that need the gateway's settings or the tokenizer."""
+        if (body.n or 1) > self.cfg.max_n:
+            raise ApiError(400, f"n must be at most {self.cfg.max_n} (--max-n)", param="n")
+        if body.stop_token_ids:
+            self._check_ids(body.stop_token_ids, "stop_token_ids")
 
     def _prompt_ids(self, body: CompletionBody) -> list[int]:
         prompt = body.prompt
@@ -153,11 +216,9 @@ class Gateway:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
-        vocab = self.tokenizer.vocab_size
         if not ids:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="prompt")
+        self._check_ids(ids, "prompt")
         return ids
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -165,41 +226,85 @@ class Gateway:
         with self._validating(tenant):
             body = parse_chat(await request.read())
             self._check_model(body)
-            messages = []
-            for msg in body.messages:
-                content = msg.content if isinstance(msg.content, str) else "".join(
-                    p.text for p in (msg.content or []))
-                messages.append({"role": msg.role, "content": content})
-            # tiny: plain "<|role|>" lines; checkpoints: their own template (gateway/README)
-            try:
-                prompt = self.tokenizer.apply_chat_template(messages)
-            except ChatTemplateError as exc:
-                raise ApiError(400, f"the model's chat template refused the messages: {exc}",
-                               param="messages") from None
-            ids = self.tokenizer.encode(prompt)
+            self._check_limits(body)
+            ids = self._chat_ids(body.messages)
         return await self._generate(request, tenant, body, ids, chat=True)
+
+    def _chat_ids(self, chat_messages: list[Any]) -> list[int]:
+        messages = []
+        for msg in chat_messages:
+            content = msg.content if isinstance(msg.content, str) else "".join(
+                p.text for p in (msg.content or []))
+            messages.append({"role": msg.role, "content": content})
+        # tiny: plain "<|role|>" lines; checkpoints: their own template (gateway/README)
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages)
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"the model's chat template refused the messages: {exc}",
+                           param="messages") from None
+        return self.tokenizer.encode(prompt)
+
+    def max_tokens_for(self, body: CompletionBody | ChatBody, prompt_len: int) -> int:
+        """`max_tokens`, or as vLLM without it: the rest of the served context, capped by
+        --default-max-tokens (decode reserves prompt + max_tokens of KV up front)."""
+        if body.max_tokens is not None:
+            return body.max_tokens
+        cap = self.cfg.default_max_tokens
+        context = self.served_context()
+        # No decode worker heard yet, or a prompt that fills the context: admission answers.
+        rest = context - prompt_len if context else cap
+        return max(1, min(cap, rest), body.min_tokens)
+
+    def sampling_for(self, body: CompletionBody | ChatBody, ids: list[int],
+                     seed: int) -> m.Sampling:
+        rep = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+        return m.Sampling(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0, seed=seed,
+            top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
+            repetition_penalty=rep, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0, min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
+            logprobs=body.logprobs_k,
+            penalty_prompt_ids=sorted(set(ids)) if rep != 1.0 else [])
 
     async def _generate(self, request: web.Request, tenant: Tenant,
                         body: CompletionBody | ChatBody, ids: list[int],
                         chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        temperature = 1.0 if body.temperature is None else body.temperature
+        max_tokens = self.max_tokens_for(body, len(ids))
         # One seed per request, chosen here when the client gives none, so prefill (first
-        # token) and decode (the rest) sample from the same stream.
-        seed = body.seed if body.seed is not None else secrets.randbits(63)
-        req = m.SubmitRequest(
-            request_id=rid, tenant=tenant.tenant_id, cache_salt=tenant.cache_salt,
-            prompt_ids=ids, max_tokens=max_tokens, sampling=m.Sampling(
-                temperature=temperature, top_p=body.top_p or 1.0, seed=seed))
+        # token) and decode (the rest) sample from the same stream; choice i uses seed + i.
+        seed = body.seed if body.seed is not None else secrets.randbits(62)
+        n = body.n or 1
         outcome = m.Outcome(code=m.Code.INTERNAL, detail="gateway error")
+        gen: Generation | None = None
+        metrics = self.metrics
+        metrics.waiting.labels(self.model_name).inc()
         try:
+            # Over the served context: answered here, before any control message, so that
+            # no prompt size can make a submit exceed NATS's max payload (admission applies
+            # the same rule to what gets through: the context may shrink meanwhile).
+            over = context_rejection(len(ids), max_tokens, self.served_context() or 1 << 62)
+            if over is not None and not self.bypass_checks(request.headers):
+                raise MeshRejected(m.Rejected(
+                    request_id=rid, outcome=m.Outcome(code=over.reason, detail=over.message),
+                    prompt_len=len(ids), max_tokens=max_tokens, limit=over.limit))
             headers = self.submit_headers(request.headers) if self.submit_headers else None
-            async with self.mesh.submit(req, headers) as sub:
+            async with contextlib.AsyncExitStack() as stack:
+                subs: list[Submission] = []
+                for i in range(n):
+                    req = m.SubmitRequest(
+                        request_id=rid if n == 1 else f"{rid}-{i}", tenant=tenant.tenant_id,
+                        cache_salt=tenant.cache_salt, prompt_ids=ids, max_tokens=max_tokens,
+                        sampling=self.sampling_for(body, ids, _seed_of(seed, i)))
+                    subs.append(await stack.enter_async_context(
+                        self.mesh.submit(req, headers)))
+                metrics.queue_time.labels(self.model_name).observe(time.monotonic() - t0)
                 gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0)
                 try:
-                    outcome = await gen.run(sub)
+                    outcome = await gen.run(subs)
                 finally:
                     outcome = gen.outcome or outcome  # also when run() raised 502/504
                 return gen.response
@@ -215,7 +320,24 @@ class Gateway:
             raise ApiError(503, f"the mesh is not answering: {exc}", type_="server_error",
                            code="no_workers") from None
         finally:
-            self.metrics.request_done(tenant.tenant_id, outcome, time.monotonic() - t0)
+            running = gen is not None and bool(gen.choices) and (
+                gen.choices[0].first_at is not None)
+            (metrics.running if running else metrics.waiting).labels(self.model_name).dec()
+            metrics.request_done(tenant.tenant_id, outcome, time.monotonic() - t0,
+                                 admitted=gen is not None)
+
+
+def _seed_of(seed: int, index: int) -> int:
+    """Choice `index`'s seed (choice 0 keeps the request's), within msgspec's int64."""
+    value = seed + index
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdmesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 async def serve(cfg: ServiceConfig) -> None:

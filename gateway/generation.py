@@ -1,18 +1,24 @@
 """One admitted request's reply: JSON at the end, or SSE chunks as tokens arrive.
 
 Streaming replies follow OpenAI's shape: `text_completion` or `chat.completion.chunk`
-objects, the chat role first, `finish_reason` on the last content chunk, then (with
-`stream_options.include_usage`) a chunk with empty `choices` and the `usage`, then
-`data: [DONE]`. A failure after the headers went out is sent as an OpenAI error object in
-the stream; before that it is raised as an `ApiError` for the middleware.
+objects, the chat role first, `finish_reason` on the last content chunk of each choice,
+then (with `stream_options.include_usage`) a chunk with empty `choices` and the `usage`,
+then `data: [DONE]`. A failure after the headers went out is sent as an OpenAI error object
+in the stream; before that it is raised as an `ApiError` for the middleware.
+
+With `n` > 1 each choice is its own request through the mesh (its own submission, seed
+`seed + index`), read concurrently; their chunks interleave on one stream, each with its
+`index`. Every chunk and response is encoded with msgspec.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 from aiohttp import web
 
 from pdmesh.gateway.mesh import ClientGone, MeshClient, MeshFailed, Submission
@@ -26,6 +32,15 @@ from pdmesh.services.config import ServiceConfig
 from pdmesh.services.engine.tokenizer import Tokenizer
 
 STREAM_STARTED = "pdmesh.stream_started"  # request key: SSE headers already sent
+TokenLogprobs = tuple[float, list[tuple[int, float]]]  # one TokenEvent.logprobs entry
+_encode = msgspec.json.Encoder().encode
+
+
+def json_response(obj: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response encoded with msgspec (the gateway's one JSON encoder)."""
+    return web.Response(body=_encode(obj), status=status, headers=headers,
+                        content_type="application/json")
 
 
 class Serving(Protocol):
@@ -40,6 +55,22 @@ class Serving(Protocol):
     registry: CapacityRegistry
 
 
+@dataclass(eq=False)
+class Choice:
+    """One choice of the reply: its submission, text and logprobs so far."""
+
+    index: int
+    sub: Submission
+    text: TextStream
+    parts: list[str] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: int | str | None = None
+    completion_tokens: int = 0
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+    first_at: float | None = None
+    last_at: float | None = None
+
+
 class Generation:
     """One admitted request's reply: JSON at the end, or SSE chunks as tokens arrive."""
 
@@ -49,12 +80,19 @@ class Generation:
         self.gw, self.request, self.tenant, self.body = gw, request, tenant, body
         self.rid, self.prompt_len, self.chat, self.t0 = rid, prompt_len, chat, t0
         self.created = int(time.time())
-        self.text = TextStream(gw.tokenizer, stop_list(body))
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.want_logprobs = body.logprobs_k is not None
         self.response: web.StreamResponse = web.Response()
-        self.completion_tokens = 0
-        self.cached_tokens = 0
+        self.choices: list[Choice] = []
         self.outcome: m.Outcome | None = None  # how the request ended, once it has
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max((c.sub.cached_tokens for c in self.choices), default=0)
 
     def _alive(self) -> bool:
         transport = self.request.transport
@@ -70,11 +108,11 @@ class Generation:
                 return worker
         return ""
 
-    async def run(self, sub: Submission) -> m.Outcome:
+    async def run(self, subs: list[Submission]) -> m.Outcome:
         gw = self.gw
-        finish: str | None = None
-        parts: list[str] = []
-        last = None
+        stops = stop_list(self.body)
+        self.choices = [Choice(i, sub, TextStream(gw.tokenizer, stops))
+                        for i, sub in enumerate(subs)]
         if self.body.stream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
@@ -82,29 +120,12 @@ class Generation:
             self.request[STREAM_STARTED] = True
             self.response = resp
             if self.chat:
-                await self._send(self._chunk({"role": "assistant", "content": ""}, None))
+                for c in self.choices:
+                    await self._send(self._chunk(c, {"role": "assistant", "content": ""},
+                                                 None, []))
+        tasks = [asyncio.ensure_future(self._read(c)) for c in self.choices]
         try:
-            async for ev in gw.mesh.tokens(sub, gw.cfg.request_timeout_s, self._alive,
-                                           self._dead_worker):
-                now = time.monotonic()
-                if last is None:
-                    gw.metrics.ttft.labels(self.tenant.tenant_id).observe(now - self.t0)
-                else:
-                    gw.metrics.itl.labels(self.tenant.tenant_id).observe(now - last)
-                last = now
-                self.completion_tokens += len(ev.token_ids)
-                self.cached_tokens = max(self.cached_tokens, sub.cached_tokens)
-                delta = self.text.push(ev.token_ids, final=ev.finish is not None)
-                if self.text.stopped:
-                    finish = "stop"
-                elif ev.finish is not None:
-                    finish = ev.finish.label  # "stop" | "length", as OpenAI spells them
-                if self.body.stream and (delta or finish):
-                    await self._send(self._chunk(delta, finish))
-                else:
-                    parts.append(delta)
-                if finish:
-                    break
+            await asyncio.gather(*tasks)
         except MeshFailed as exc:
             return await self._fail(502, f"generation failed: {exc}", exc.outcome)
         except TimeoutError as exc:
@@ -113,17 +134,72 @@ class Generation:
         except (ClientGone, ConnectionResetError):
             self.outcome = m.Outcome(code=m.Code.ABORTED, detail="client gone")
             return self.outcome
-        gw.metrics.tokens.labels(self.tenant.tenant_id, "prompt").inc(self.prompt_len)
-        gw.metrics.tokens.labels(self.tenant.tenant_id, "completion").inc(self.completion_tokens)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._observe_finished()
         if self.body.stream:
             if self.include_usage:
                 await self._send(self._envelope([], usage=self._usage()))
             await self.response.write(b"data: [DONE]\n\n")
             await self.response.write_eof()
         else:
-            self.response = web.json_response(self._final("".join(parts), finish or "length"))
-        self.outcome = m.FINISHED_LENGTH if finish == "length" else m.FINISHED_STOP
+            self.response = json_response(self._final())
+        first = self.choices[0].finish
+        self.outcome = m.FINISHED_LENGTH if first == "length" else m.FINISHED_STOP
         return self.outcome
+
+    async def _read(self, c: Choice) -> None:
+        """Read one choice's token events to its end, streaming chunks as they come."""
+        gw = self.gw
+        min_tokens = self.body.min_tokens
+        async for ev in gw.mesh.tokens(c.sub, gw.cfg.request_timeout_s, self._alive,
+                                       self._dead_worker):
+            now = time.monotonic()
+            if c.first_at is None:
+                c.first_at = now
+                if c.index == 0:
+                    gw.metrics.ttft.labels(gw.model_name, self.tenant.tenant_id).observe(
+                        now - self.t0)
+                    if c.sub.admitted_at is not None:
+                        gw.metrics.prefill_time.labels(gw.model_name).observe(
+                            now - c.sub.admitted_at)
+                    gw.metrics.waiting.labels(gw.model_name).dec()
+                    gw.metrics.running.labels(gw.model_name).inc()
+            else:
+                gw.metrics.itl.labels(gw.model_name, self.tenant.tenant_id).observe(
+                    now - (c.last_at or now))
+            c.last_at = now
+            c.completion_tokens += len(ev.token_ids)
+            if self.want_logprobs:
+                lps = ev.logprobs or (c.sub.first_logprobs if ev.seq == 0 else [])
+                c.logprobs.extend(zip(ev.token_ids, lps, strict=False))
+            delta = c.text.push(ev.token_ids, final=ev.finish is not None,
+                                check_stops=c.completion_tokens >= min_tokens)
+            if c.text.stopped:
+                c.finish, c.stop_reason = "stop", c.text.stop_string
+            elif ev.finish is not None:
+                c.finish = ev.finish.label  # "stop" | "length", as OpenAI spells them
+                last = ev.token_ids[-1] if ev.token_ids else None
+                if c.finish == "stop" and last not in gw.tokenizer.eos_token_ids:
+                    c.stop_reason = last  # one of stop_token_ids, as vLLM reports it
+            if self.body.stream:
+                if delta or c.finish or (self.want_logprobs and c.logprobs):
+                    await self._send(self._chunk(c, delta, c.finish, c.logprobs))
+                    c.logprobs = []
+            else:
+                c.parts.append(delta)
+            if c.finish:
+                return
+
+    def _observe_finished(self) -> None:
+        gw = self.gw
+        name = gw.model_name
+        gw.metrics.tokens_done(self.tenant.tenant_id, self.prompt_len, self.completion_tokens)
+        first = self.choices[0]
+        if first.first_at is not None and first.last_at is not None:
+            gw.metrics.decode_time.labels(name).observe(first.last_at - first.first_at)
 
     async def _fail(self, status: int, message: str, outcome: m.Outcome,
                     code: str = "") -> m.Outcome:
@@ -141,7 +217,7 @@ class Generation:
         raise err
 
     async def _send(self, obj: dict[str, Any]) -> None:
-        await self.response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        await self.response.write(b"data: " + _encode(obj) + b"\n\n")
 
     def _usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_len, "completion_tokens": self.completion_tokens,
@@ -156,21 +232,54 @@ class Generation:
             obj["usage"] = usage
         return obj
 
-    def _chunk(self, delta: str | dict[str, str], finish: str | None) -> dict[str, Any]:
+    def _chunk(self, c: Choice, delta: str | dict[str, str], finish: str | None,
+               logprobs: list[tuple[int, TokenLogprobs]]) -> dict[str, Any]:
+        lp = self._logprobs(logprobs) if self.want_logprobs and logprobs else None
         if self.chat:
             d = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            choice = {"index": c.index, "delta": d, "finish_reason": finish, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": c.index, "text": delta, "finish_reason": finish,
+                      "logprobs": lp}
+        if finish:
+            choice["stop_reason"] = c.stop_reason
         return self._envelope([choice])
 
-    def _final(self, text: str, finish: str) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    def _final(self) -> dict[str, Any]:
+        choices = []
+        for c in self.choices:
+            text = "".join(c.parts)
+            lp = self._logprobs(c.logprobs) if self.want_logprobs else None
+            if self.chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": text},
+                          "finish_reason": c.finish or "length", "logprobs": lp}
+            else:
+                choice = {"index": c.index, "text": text, "finish_reason": c.finish or "length",
+                          "logprobs": lp}
+            choice["stop_reason"] = c.stop_reason
+            choices.append(choice)
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.gw.model_name, "choices": [choice],
+                "created": self.created, "model": self.gw.model_name, "choices": choices,
                 "usage": self._usage()}
 
+    def _logprobs(self, entries: list[tuple[int, TokenLogprobs]]) -> dict[str, Any]:
+        """OpenAI's logprobs object for these (token id, (logprob, top)) entries: chat's
+        `content` list, or completions' parallel lists."""
+        piece = self._token_str
+        if self.chat:
+            return {"content": [{
+                "token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
+                "top_logprobs": [{"token": piece(i), "logprob": v,
+                                  "bytes": list(piece(i).encode())} for i, v in top]}
+                for t, (lp, top) in entries]}
+        tokens = [piece(t) for t, _ in entries]
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
+                "top_logprobs": [{piece(i): v for i, v in top} for _, (_, top) in entries],
+                "text_offset": offsets}
+
+    def _token_str(self, token_id: int) -> str:
+        return self.gw.tokenizer.decode([token_id])

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
@@ -59,6 +60,9 @@ class Submission:
     prefill_worker: str = ""
     got_first_token: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (info event)
+    admitted_at: float | None = None  # time.monotonic() of admission's answer
+    # The first token's logprobs: sampled on prefill, which sends them in FirstTokenLogprobs.
+    first_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 class MeshClient:
@@ -103,6 +107,7 @@ class MeshClient:
                 raise MeshUnavailable(str(exc)) from None
             if isinstance(reply, m.Rejected):
                 raise MeshRejected(reply)
+            sub_state.admitted_at = time.monotonic()
             sub_state.decode_worker = reply.decode_worker
             sub_state.prefill_worker = reply.prefill_worker
             yield sub_state
@@ -161,6 +166,10 @@ class MeshClient:
                 case m.PrefixCacheInfo(cached_tokens=cached):
                     # How much of the prompt the prefix cache served: no tokens, no end.
                     sub.cached_tokens = max(sub.cached_tokens, cached)
+                    continue
+                case m.FirstTokenLogprobs(logprobs=logprobs):
+                    # Prefill's logprobs of the first token (decode's seq 0 carries none).
+                    sub.first_logprobs = logprobs
                     continue
             pending[ev.seq] = ev
             sub.got_first_token = True

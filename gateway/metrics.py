@@ -1,37 +1,96 @@
-"""The gateway's Prometheus series, named in the field's style (`pdmesh:` + vLLM-like names).
+"""The gateway's Prometheus series: vLLM's names and meaning under the `pdmesh:` prefix.
 
-`requests_total` / `e2e_request_latency_seconds` are labelled with the mesh's one reason
-vocabulary (services/messages.py `Code`): `outcome` is the terminal state (`finished`,
-`rejected`, `aborted`, `failed`) and `reason` the code's label, e.g. `stop`, `length`,
-`context_length_exceeded`, `invalid` (the gateway's own validation), `no_workers` (also when
-admission does not answer), `saturated`, `aborted` (client gone), `deadline`,
-`transfer_failed`, `internal`.
+Every series carries `model_name` (the first served name), as vLLM's do, so a dashboard
+or an autoscaler built for vLLM finds them by replacing `vllm:` with `pdmesh:`. The
+gateway sees every request from arrival to last token, so it measures them for the mesh:
+
+- queue time: submit to admission's answer (admission holds a request that fits while
+  every decode pool is busy, up to --queue-timeout-s);
+- prefill time: admitted to the first token (prefill compute and the KV transfer);
+- decode time: first token to the last.
+
+`requests_total` / `e2e_request_latency_seconds` also carry `tenant` and the mesh's one
+reason vocabulary (services/messages.py `Code`): `outcome` is the terminal state
+(`finished`, `rejected`, `aborted`, `failed`) and `reason` the code's label, e.g. `stop`,
+`length`, `context_length_exceeded`, `invalid` (the gateway's own validation),
+`no_workers` (also when admission does not answer), `saturated`, `aborted` (client gone),
+`deadline`, `transfer_failed`, `internal`.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdmesh.services import messages as m
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+# vLLM's finished_reason values: a finish is stop/length; anything else that ended an
+# admitted request is an abort.
+_FINISHED_REASON = {m.Code.STOP: "stop", m.Code.LENGTH: "length"}
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.ttft = Histogram("pdmesh:time_to_first_token_seconds", "Time to first token",
-                              ["tenant"], registry=registry, buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("pdmesh:inter_token_latency_seconds", "Inter-token latency",
-                             ["tenant"], registry=registry, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("pdmesh:e2e_request_latency_seconds", "End-to-end latency",
-                             ["tenant", "outcome", "reason"], registry=registry,
-                             buckets=LATENCY_BUCKETS)
-        self.requests = Counter("pdmesh:requests_total", "Requests by tenant and outcome",
-                                ["tenant", "outcome", "reason"], registry=registry)
-        self.tokens = Counter("pdmesh:tokens_total", "Tokens by tenant and kind",
-                              ["tenant", "kind"], registry=registry)
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        r = registry
 
-    def request_done(self, tenant_id: str, outcome: m.Outcome, elapsed_s: float) -> None:
+        def hist(name: str, doc: str, labels: list[str] | None = None,
+                 buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"pdmesh:{name}", doc, ["model_name", *(labels or [])],
+                             registry=r, buckets=buckets)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", ["tenant"])
+        self.itl = hist("inter_token_latency_seconds", "Time between token events",
+                        ["tenant"])
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency",
+                        ["tenant", "outcome", "reason"])
+        self.queue_time = hist("request_queue_time_seconds",
+                               "Submit to admission's answer (waiting for capacity)")
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "Admitted to first token (prefill and KV transfer)")
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token")
+        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per finished request",
+                               buckets=TOKEN_BUCKETS)
+        self.generation_len = hist("request_generation_tokens",
+                                   "Generated tokens per finished request",
+                                   buckets=TOKEN_BUCKETS)
+        self.requests = Counter("pdmesh:requests_total", "Requests by tenant and outcome",
+                                ["model_name", "tenant", "outcome", "reason"], registry=r)
+        self.success = Counter("pdmesh:request_success_total",
+                               "Admitted requests by how they ended (vLLM finished_reason)",
+                               ["model_name", "finished_reason"], registry=r)
+        self.tokens = Counter("pdmesh:tokens_total", "Tokens by tenant and kind",
+                              ["model_name", "tenant", "kind"], registry=r)
+        self.prompt_tokens = Counter("pdmesh:prompt_tokens_total", "Prefilled prompt tokens",
+                                     ["model_name"], registry=r)
+        self.generation_tokens = Counter("pdmesh:generation_tokens_total",
+                                         "Generated tokens", ["model_name"], registry=r)
+        self.running = Gauge("pdmesh:num_requests_running",
+                             "Requests generating tokens (first token seen)", ["model_name"],
+                             registry=r)
+        self.waiting = Gauge("pdmesh:num_requests_waiting",
+                             "Requests submitted and waiting for their first token "
+                             "(admission queue, prefill, KV transfer)", ["model_name"],
+                             registry=r)
+        self.running.labels(model_name)
+        self.waiting.labels(model_name)
+
+    def request_done(self, tenant_id: str, outcome: m.Outcome, elapsed_s: float,
+                     admitted: bool = False) -> None:
         labels = (tenant_id, outcome.kind.name.lower(), outcome.label)
-        self.requests.labels(*labels).inc()
-        self.e2e.labels(*labels).observe(elapsed_s)
+        self.requests.labels(self.model_name, *labels).inc()
+        self.e2e.labels(self.model_name, *labels).observe(elapsed_s)
+        if admitted:
+            reason = _FINISHED_REASON.get(outcome.code, "abort")
+            self.success.labels(self.model_name, reason).inc()
+
+    def tokens_done(self, tenant_id: str, prompt_tokens: int, generated: int) -> None:
+        name = self.model_name
+        self.tokens.labels(name, tenant_id, "prompt").inc(prompt_tokens)
+        self.tokens.labels(name, tenant_id, "completion").inc(generated)
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(generated)
+        self.prompt_len.labels(name).observe(prompt_tokens)
+        self.generation_len.labels(name).observe(generated)

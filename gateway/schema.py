@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is certainly a mistake; context checks follow
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs (services/engine/sampling.py's too)
 
 
 class ApiError(Exception):
@@ -37,6 +38,9 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+MAX_STOP_TOKEN_IDS = 64
+
+
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
     max_tokens: int | None = None
@@ -47,20 +51,35 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Known OpenAI parameters the mesh does not implement: neutral values only.
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # vLLM / SGLang sampling extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    # Known parameters the mesh does not implement: neutral values only.
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    priority: int = 0
 
 
 class CompletionBody(_Common, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[int | str]
+    logprobs: int | None = None  # completions: how many top logprobs (0: the token's own)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,10 +100,35 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
 class ChatBody(_Common, forbid_unknown_fields=True, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None  # chat: the sampled tokens' logprobs ...
+    top_logprobs: int | None = None  # ... and this many alternatives each
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages`."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # accepted; pdmesh's prompts never add special tokens
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str = ""
+    tokens: list[int]
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionBody)
 _chat_decoder = msgspec.json.Decoder(ChatBody)
+_tokenize_decoder = msgspec.json.Decoder(TokenizeBody)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeBody)
 
 
 def _decode(decoder: msgspec.json.Decoder, raw: bytes) -> Any:
@@ -122,9 +166,11 @@ def parse_completion(raw: bytes) -> CompletionBody:
                            "of token ids (batched prompts are not supported)", param="prompt")
         if any(isinstance(p, bool) for p in body.prompt):
             raise ApiError(400, "token ids must be integers", param="prompt")
-    for name in ("echo",):
-        if getattr(body, name):
-            raise ApiError(400, f"'{name}' is not supported", param=name)
+    if body.echo:
+        raise ApiError(400, "'echo' is not supported", param="echo")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}",
+                       param="logprobs")
     if body.best_of not in (None, 1):
         raise ApiError(400, "'best_of' is not supported", param="best_of")
     if body.suffix:
@@ -133,11 +179,24 @@ def parse_completion(raw: bytes) -> CompletionBody:
     return body
 
 
-def parse_chat(raw: bytes) -> ChatBody:
-    body: ChatBody = _decode(_chat_decoder, raw)
-    if not body.messages:
+def parse_tokenize(raw: bytes) -> TokenizeBody:
+    body: TokenizeBody = _decode(_tokenize_decoder, raw)
+    if body.messages is not None:
+        _check_messages(body.messages)
+        if not body.add_generation_prompt:
+            raise ApiError(400, "add_generation_prompt=false is not supported",
+                           param="add_generation_prompt")
+    return body
+
+
+def parse_detokenize(raw: bytes) -> DetokenizeBody:
+    return _decode(_detokenize_decoder, raw)
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    if not messages:
         raise ApiError(400, "'messages' must not be empty", param="messages")
-    for msg in body.messages:
+    for msg in messages:
         if msg.role not in ("system", "user", "assistant", "developer", "tool"):
             raise ApiError(400, f"unknown message role {msg.role!r}", param="messages")
         if isinstance(msg.content, list) and any(p.type != "text" for p in msg.content):
@@ -147,11 +206,28 @@ def parse_chat(raw: bytes) -> ChatBody:
         if msg.tool_calls or msg.function_call:
             raise ApiError(400, "tool and function calls are not supported",
                            param="messages")
+
+
+def parse_chat(raw: bytes) -> ChatBody:
+    body: ChatBody = _decode(_chat_decoder, raw)
+    _check_messages(body.messages)
     if body.max_completion_tokens is not None:
         if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens disagree",
                            param="max_completion_tokens")
         body.max_tokens = body.max_completion_tokens
+    if body.top_logprobs is not None:
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}",
+                           param="top_logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if not body.add_generation_prompt:
+        raise ApiError(400, "add_generation_prompt=false is not supported",
+                       param="add_generation_prompt")
+    if body.continue_final_message:
+        raise ApiError(400, "'continue_final_message' is not supported",
+                       param="continue_final_message")
     _check_common(body)
     return body
 
@@ -169,16 +245,36 @@ def _check_common(body: _Common) -> None:
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise ApiError(400, "stop must be up to 4 non-empty strings", param="stop")
-    if body.n not in (None, 1):
-        raise ApiError(400, "only n=1 is supported", param="n")
+    if body.n is not None and body.n < 1:
+        raise ApiError(400, "n must be >= 1", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise ApiError(400, f"'{name}' is not supported", param=name)
+        value = getattr(body, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise ApiError(400, f"{name} must be between -2 and 2", param=name)
+    if body.top_k is not None and body.top_k < -1:
+        raise ApiError(400, "top_k must be -1 or 0 (off) or a positive count", param="top_k")
+    if body.min_p is not None and not 0.0 <= body.min_p <= 1.0:
+        raise ApiError(400, "min_p must be between 0 and 1", param="min_p")
+    if body.repetition_penalty is not None and not 0.0 < body.repetition_penalty <= 2.0:
+        raise ApiError(400, "repetition_penalty must be in (0, 2]",
+                       param="repetition_penalty")
+    if not 0 <= body.min_tokens <= MAX_TOKENS_LIMIT:
+        raise ApiError(400, f"min_tokens must be between 0 and {MAX_TOKENS_LIMIT}",
+                       param="min_tokens")
+    if body.max_tokens is not None and body.min_tokens > body.max_tokens:
+        raise ApiError(400, "min_tokens must not exceed max_tokens", param="min_tokens")
+    ids = body.stop_token_ids or []
+    if len(ids) > MAX_STOP_TOKEN_IDS or any(isinstance(t, bool) or t < 0 for t in ids):
+        raise ApiError(400, f"stop_token_ids must be up to {MAX_STOP_TOKEN_IDS} token ids "
+                       ">= 0", param="stop_token_ids")
     if body.logit_bias:
         raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
-    # `is` on purpose: logprobs=0 on completions asks for the sampled token's logprob.
-    if (body.logprobs is not None and body.logprobs is not False) or body.top_logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    for name, neutral in (("skip_special_tokens", True), ("spaces_between_special_tokens", True),
+                          ("include_stop_str_in_output", False), ("use_beam_search", False),
+                          ("priority", 0)):
+        if getattr(body, name) != neutral:
+            raise ApiError(400, f"'{name}' is only accepted at its default ({neutral!r})",
+                           param=name)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true",
                        param="stream_options")

@@ -37,6 +37,7 @@ from pdmesh.kvstore.spec import PoolSpec, pages_for
 
 FREE_EPOCH = 0
 CACHED_EPOCH = -1  # tag of a prefix-cache page (epochs of leases are >= 1)
+QUARANTINED_EPOCH = -2  # tag of a page a late write may still reach: never leased again
 NOT_SHARED = -1
 
 
@@ -64,6 +65,7 @@ class KVPool:
         n = spec.num_pages
         # Free list as a stack: pop() takes the most recently freed page.
         self._free: list[int] = list(range(n - 1, -1, -1))
+        self._quarantined: set[int] = set()
         self._page_epoch = np.zeros(n, dtype=np.int64)
         self._page_written = np.zeros(n, dtype=np.int64)
         self._page_generation = np.zeros(n, dtype=np.int64)
@@ -101,11 +103,16 @@ class KVPool:
     @property
     def num_leased_pages(self) -> int:
         """Pages held by leases as their own (cached pages are counted apart)."""
-        return self.spec.num_pages - len(self._free) - self.num_cached_pages
+        return (self.spec.num_pages - len(self._free) - self.num_cached_pages
+                - len(self._quarantined))
 
     @property
     def num_cached_pages(self) -> int:
         return int(self._cached.sum())
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        return len(self._quarantined)
 
     @property
     def num_evictable_pages(self) -> int:
@@ -217,6 +224,29 @@ class KVPool:
             assert self._page_epoch[page_id] == lease.epoch, (page_id, lease.lease_id)
             owned.append(page_id)
         self._free_pages(owned)
+        self.stats.releases += 1
+
+    def quarantine(self, lease: Lease, cause: str) -> None:
+        """End the lease like `release`, except that its own pages never go back to the
+        free list: a write into them may still land (the transport could not establish that
+        an in-flight receive or a peer's one-sided write has ended). They stay out of
+        service, counted, for the life of the pool. Idempotent."""
+        if self._leases.get(lease.lease_id) is not lease:
+            return
+        del self._leases[lease.lease_id]
+        del self._prefix_written[lease.lease_id]
+        marks = self._shared.pop(lease.lease_id)
+        lease._live = False
+        lease.release_cause = f"quarantined: {cause}"
+        for page_id, mark in zip(lease.page_ids, marks.tolist(), strict=True):
+            if mark == page_id:
+                self._page_refs[page_id] -= 1  # a cached page is only read: it stays cached
+                continue
+            self._page_epoch[page_id] = QUARANTINED_EPOCH
+            self._page_owner[page_id] = None
+            self._page_written[page_id] = 0
+            self._page_generation[page_id] += 1
+            self._quarantined.add(page_id)
         self.stats.releases += 1
 
     def _free_pages(self, page_ids: list[int]) -> None:
@@ -436,10 +466,17 @@ class KVPool:
             problems.append("pin counts do not match the live leases")
         if cached & free_set:
             problems.append(f"pages {sorted(cached & free_set)} both free and cached")
-        total = len(free_set) + len(leased) + len(cached)
+        quarantined = self._quarantined
+        if quarantined & (free_set | cached | set(leased)):
+            problems.append("a quarantined page is also free, cached or leased")
+        total = len(free_set) + len(leased) + len(cached) + len(quarantined)
         if total != self.spec.num_pages:
             problems.append(f"free {len(free_set)} + leased {len(leased)} + cached "
-                            f"{len(cached)} != total {self.spec.num_pages}")
+                            f"{len(cached)} + quarantined {len(quarantined)} != total "
+                            f"{self.spec.num_pages}")
+        for page_id in quarantined:
+            if self._page_epoch[page_id] != QUARANTINED_EPOCH:
+                problems.append(f"quarantined page {page_id} mistagged")
         for page_id in free_set:
             if self._page_epoch[page_id] != FREE_EPOCH or self._page_owner[page_id] is not None:
                 problems.append(f"free page {page_id} still tagged")

@@ -1,4 +1,5 @@
-"""`pdmesh check`: each live worker's configured context vs its real KV pool (invariant I5).
+"""`pdmesh check`: each live worker's configured context vs its real KV pool (invariant I5),
+and whether every worker's KV data plane can be reached from this host.
 
 Listens to the workers' heartbeats for `--listen-s` seconds (they carry live pool figures,
 never configuration), optionally asks each worker for its stats (leases, pool integrity),
@@ -9,9 +10,16 @@ shown as CLAMPED (or OVER POOL if it serves more than its pool holds: that would
 The figures are checked here independently of the worker's own `capacity_mismatch` flag:
 configured > pool or served > pool is a mismatch even if the flag was not set.
 
+Data plane: every worker's advertised `data_address` is dialled (a TCP connect, then close;
+UCX listens on a TCP socket too) from the host `pdmesh check` runs on, so running it on each
+host of a multi-host mesh gives per-host reachability. An address no peer can use is a
+problem even before dialling: a wildcard (0.0.0.0, ::), or loopback while other workers
+advertise routable addresses (peers on other hosts would dial themselves).
+
 Exit codes:
   0  at least one prefill and one decode worker answered, no mismatch, pools intact
-  1  a capacity mismatch (clamped or worse) or a failed pool integrity check was seen
+  1  a capacity mismatch (clamped or worse), a failed pool integrity check, or a data plane
+     that is unreachable from this host or advertised at an address peers cannot use
   2  NATS unreachable, no worker answered, or no prefill / no decode worker answered
 With `--json` the last stdout line is one JSON object (also on exit 1 and 2).
 """
@@ -21,8 +29,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
+import socket
+import ssl
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -53,6 +64,7 @@ class WorkerRow:
     last_seen: float = 0.0  # monotonic
     stats: m.StatsReply | None = None
     stats_error: str = ""
+    reach: Reach | None = None  # the data plane dialled from this host (None: not probed)
 
     @property
     def mismatch(self) -> bool:
@@ -90,6 +102,9 @@ class WorkerRow:
             "data_address": b.data_address, "http_address": b.http_address,
             "ready": b.ready, "draining": b.draining, "beats_seen": self.beats_seen,
             "stats": None, "stats_error": self.stats_error,
+            "data_plane": None if self.reach is None else {
+                "reachable": self.reach.ok, "error": self.reach.error,
+                "connect_ms": self.reach.connect_ms, "from_host": self.reach.from_host},
         }
         if self.stats is not None:
             s = self.stats
@@ -100,6 +115,61 @@ class WorkerRow:
                 "integrity_ok": s.integrity_ok, "integrity_error": s.integrity_error,
                 "counters": dict(s.counters)}
         return out
+
+
+@dataclass(frozen=True)
+class Reach:
+    """One worker's data plane as dialled from this host."""
+
+    ok: bool
+    error: str = ""
+    connect_ms: float = 0.0
+    from_host: str = ""
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """('host', port) of a data address `<scheme>://host:port` (ValueError when malformed)."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if not (sep and scheme and colon and host and port.isdigit()):
+        raise ValueError(f"not <scheme>://host:port: {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def address_problem(address: str, others: Iterable[str]) -> str:
+    """Why peers cannot use this advertised data address ('' when nothing is wrong with it
+    on its face): empty, malformed, a wildcard, or loopback among routable addresses."""
+    if not address:
+        return "no data address advertised"
+    try:
+        host, _port = split_address(address)
+    except ValueError as exc:
+        return str(exc)
+    if host in ("0.0.0.0", "::", ""):
+        return f"wildcard address {address} advertised: peers cannot dial it"
+    if _is_loopback(host):
+        routable = sorted(a for a in others
+                          if a and not _is_loopback(_host_or_empty(a)))
+        if routable:
+            return (f"loopback address {address} advertised while other workers advertise "
+                    f"{routable[0]}: peers on other hosts would dial themselves")
+    return ""
+
+
+def _host_or_empty(address: str) -> str:
+    try:
+        return split_address(address)[0]
+    except ValueError:
+        return ""
 
 
 class Collector:
@@ -150,6 +220,13 @@ def verdict(rows: Iterable[WorkerRow]) -> Verdict:
         if r.integrity_failed:
             problems.append(f"{b.worker_id}: KV pool integrity check FAILED: "
                             f"{r.stats.integrity_error if r.stats else ''}")
+        bad_address = address_problem(
+            b.data_address, (o.beat.data_address for o in rows if o is not r))
+        if bad_address:
+            problems.append(f"{b.worker_id}: data plane: {bad_address}")
+        elif r.reach is not None and not r.reach.ok:
+            problems.append(f"{b.worker_id}: data plane {b.data_address} unreachable from "
+                            f"{r.reach.from_host}: {r.reach.error}")
     if problems:
         return Verdict(EXIT_PROBLEM, f"{len(problems)} problem(s): " + "; ".join(problems),
                        problems)
@@ -159,11 +236,14 @@ def verdict(rows: Iterable[WorkerRow]) -> Verdict:
         return Verdict(EXIT_UNREACHABLE, f"no {' or '.join(missing)} worker answered")
     counts = ", ".join(f"{sum(r.beat.role is role for r in rows)} {role.value}"
                        for role in WORKER_ROLES)
-    return Verdict(EXIT_OK, f"ok: {counts}; every configured context fits its real pool")
+    reached = ("; every data plane reachable from this host"
+               if rows and all(r.reach is not None for r in rows) else "")
+    return Verdict(EXIT_OK, f"ok: {counts}; every configured context fits its real pool"
+                   + reached)
 
 
 COLUMNS = ("role", "worker", "model", "configured", "pool", "served", "mismatch", "free",
-           "queue", "data address")
+           "queue", "data address", "reach")
 
 
 def _cells(r: WorkerRow) -> list[str]:
@@ -174,7 +254,16 @@ def _cells(r: WorkerRow) -> list[str]:
     state = " (draining)" if b.draining else ""
     return [b.role.value, b.worker_id + state, b.model, str(b.configured_context),
             str(b.pool_capacity_tokens), str(b.served_context), mismatch,
-            str(b.available_tokens), str(b.queue_depth), b.data_address or "-"]
+            str(b.available_tokens), str(b.queue_depth), b.data_address or "-",
+            _reach_cell(r)]
+
+
+def _reach_cell(r: WorkerRow) -> str:
+    if r.reach is None:
+        return "-"
+    if r.reach.ok:
+        return f"ok {r.reach.connect_ms:.1f} ms"
+    return f"!! UNREACHABLE: {r.reach.error} !!"
 
 
 def _stats_cells(r: WorkerRow) -> list[str]:
@@ -203,8 +292,12 @@ def format_report(rows: Sequence[WorkerRow], result: Verdict, *,
                              "cached pages", "pool integrity"),
                             [_stats_cells(r) for r in rows])]
     out.append("")
+    reach_from = {r.reach.from_host for r in rows if r.reach is not None}
+    if reach_from:
+        out.append(f"reach: each data plane dialled from {', '.join(sorted(reach_from))}")
     for p in result.problems:
-        out.append(f"!! CAPACITY CHECK: {p}")
+        label = "DATA PLANE" if ": data plane" in p else "CAPACITY CHECK"
+        out.append(f"!! {label}: {p}")
     status = {EXIT_OK: "OK", EXIT_PROBLEM: "PROBLEM", EXIT_UNREACHABLE: "UNAVAILABLE"}
     out.append(f"pdmesh check: {status.get(result.code, '?')}: {result.message}")
     return "\n".join(out)
@@ -217,6 +310,8 @@ def report_json(rows: Sequence[WorkerRow], result: Verdict, *, nats_url: str,
         "problems": list(result.problems), "nats_url": nats_url, "listen_s": listen_s,
         "counts": {role.value: sum(r.beat.role is role for r in rows) for role in WORKER_ROLES},
         "mismatches": [r.beat.worker_id for r in rows if r.mismatch],
+        "unreachable": [r.beat.worker_id for r in rows if r.reach is not None
+                        and not r.reach.ok],
         "bad_messages": bad_messages,
         "workers": [r.as_dict() for r in rows],
     }
@@ -237,10 +332,19 @@ async def _connect(url: str, timeout_s: float) -> Any:
         errors.append(exc)
 
     servers = [u.strip() for u in url.split(",") if u.strip()]
+    # The same credentials and CA settings a service takes (PDMESH_NATS_USER/_PASSWORD,
+    # PDMESH_NATS_TLS_CA); credentials in the URL work too.
+    extra: dict[str, Any] = {}
+    if os.environ.get("PDMESH_NATS_USER"):
+        extra.update(user=os.environ["PDMESH_NATS_USER"],
+                     password=os.environ.get("PDMESH_NATS_PASSWORD") or None)
+    if os.environ.get("PDMESH_NATS_TLS_CA"):
+        extra.update(tls=ssl.create_default_context(cafile=os.environ["PDMESH_NATS_TLS_CA"]),
+                     tls_handshake_first=True)
     try:
         return await asyncio.wait_for(nats.connect(
             servers=servers, name="pdmesh-check", connect_timeout=min(timeout_s, 2.0),
-            allow_reconnect=False, max_reconnect_attempts=0, error_cb=quiet),
+            allow_reconnect=False, max_reconnect_attempts=0, error_cb=quiet, **extra),
             timeout_s)
     except asyncio.CancelledError:
         raise
@@ -252,9 +356,11 @@ async def _connect(url: str, timeout_s: float) -> Any:
         raise Unreachable(f"NATS at {url} is unreachable ({detail})") from None
 
 
-async def collect(url: str, listen_s: float, *, stats: bool = True,
-                  connect_timeout_s: float = 3.0, stats_timeout_s: float = 1.0) -> Collector:
-    """Listen to heartbeats for `listen_s`, then ask each worker for its stats."""
+async def collect(url: str, listen_s: float, *, stats: bool = True, probe: bool = True,
+                  connect_timeout_s: float = 3.0, stats_timeout_s: float = 1.0,
+                  probe_timeout_s: float = 2.0) -> Collector:
+    """Listen to heartbeats for `listen_s`, then ask each worker for its stats and dial its
+    data plane."""
     nc = await _connect(url, connect_timeout_s)
     col = Collector()
     decoder = m.Decoder(m.Heartbeat)
@@ -273,10 +379,45 @@ async def collect(url: str, listen_s: float, *, stats: bool = True,
         if stats:
             await asyncio.gather(*(_ask_stats(nc, row, stats_timeout_s)
                                    for row in col.rows.values()))
+        if probe:
+            await probe_all(col.rows.values(), probe_timeout_s)
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
     return col
+
+
+def this_host() -> str:
+    """How the report names the host it dialled from."""
+    return socket.gethostname()
+
+
+async def probe_data_plane(address: str, timeout_s: float) -> Reach:
+    """Dial a worker's advertised data address from here (TCP connect, then close)."""
+    started = time.monotonic()
+    try:
+        host, port = split_address(address)
+        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                                 timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except TimeoutError:
+        return Reach(False, f"no answer within {timeout_s:g}s", from_host=this_host())
+    except (OSError, ValueError) as exc:
+        return Reach(False, f"{type(exc).__name__}: {exc}", from_host=this_host())
+    connect_ms = (time.monotonic() - started) * 1000
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return Reach(True, connect_ms=connect_ms, from_host=this_host())
+
+
+async def probe_all(rows: Iterable[WorkerRow], timeout_s: float) -> None:
+    rows = list(rows)
+    reaches = await asyncio.gather(*(probe_data_plane(r.beat.data_address, timeout_s)
+                                     for r in rows))
+    for row, reach in zip(rows, reaches, strict=True):
+        row.reach = reach
 
 
 async def _ask_stats(nc: Any, row: WorkerRow, timeout_s: float) -> None:
@@ -294,8 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pdmesh check",
         description="Print each live worker's configured context vs its real KV pool "
-                    "capacity. Exit 0 ok, 1 capacity mismatch (or pool integrity failure), "
-                    "2 NATS unreachable or no prefill/decode worker answered.")
+                    "capacity, and whether its KV data plane answers from this host. Exit 0 "
+                    "ok, 1 capacity mismatch, pool integrity failure or unreachable data "
+                    "plane, 2 NATS unreachable or no prefill/decode worker answered.")
     parser.add_argument("--nats-url", default=None,
                         help=f"NATS URL [PDMESH_NATS_URL, default {DEFAULT_NATS_URL}]")
     parser.add_argument("--listen-s", type=float, default=2.0,
@@ -304,6 +446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="give up on NATS after this long")
     parser.add_argument("--no-stats", action="store_true",
                         help="do not ask workers for lease counts and pool integrity")
+    parser.add_argument("--no-probe", action="store_true",
+                        help="do not dial the workers' data planes from this host")
+    parser.add_argument("--probe-timeout-s", type=float, default=2.0,
+                        help="give up dialling one data plane after this long")
     parser.add_argument("--json", action="store_true",
                         help="last stdout line is one JSON object")
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -313,7 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNREACHABLE
     try:
         col = asyncio.run(collect(url, args.listen_s, stats=not args.no_stats,
-                                   connect_timeout_s=args.connect_timeout_s))
+                                   probe=not args.no_probe,
+                                   connect_timeout_s=args.connect_timeout_s,
+                                   probe_timeout_s=args.probe_timeout_s))
     except Unreachable as exc:
         print(f"pdmesh check: error: {exc}", file=sys.stderr)
         if args.json:

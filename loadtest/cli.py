@@ -18,12 +18,25 @@ import sys
 import threading
 from pathlib import Path
 
-from pdmesh.loadtest import report
-from pdmesh.loadtest.client import context_length_of
-from pdmesh.loadtest.metrics import parse_goodput
+from pdmesh.loadtest import report, tokens
+from pdmesh.loadtest.client import api_base, context_length_of, server_root
+from pdmesh.loadtest.dataset import sharegpt_requests
+from pdmesh.loadtest.metrics import parse_goodput, parse_metric_names, parse_percentiles
 from pdmesh.loadtest.runner import ARRIVALS
 from pdmesh.loadtest.target import Target, TargetRun, discover, run_target
-from pdmesh.loadtest.workload import LENGTH_DISTS, LengthDist, WorkloadSpec, build_requests
+from pdmesh.loadtest.workload import (
+    LENGTH_DISTS,
+    LengthDist,
+    RequestSpec,
+    WorkloadSpec,
+    build_requests,
+    shared_prefix,
+)
+
+# vllm bench serve's spellings of the endpoint, mapped to ours.
+ENDPOINT_ALIASES = {"completions": "completions", "chat": "chat",
+                    "/v1/completions": "completions", "/v1/chat/completions": "chat"}
+BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
 
 EXIT_OK, EXIT_CORRECTNESS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -40,14 +53,32 @@ def _add_length_args(parser: argparse.ArgumentParser, name: str, default: int) -
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdmesh loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                   help="the server, as http://host:port or http://host:port/v1")
     p.add_argument("--api-key", default=None,
                    help="default: $PDMESH_API_KEY, then $OPENAI_API_KEY")
     p.add_argument("--api-keys", default=None, help="comma-separated keys, one per tenant")
     p.add_argument("--tenants", type=int, default=None,
                    help="number of tenants (default: number of --api-keys, else 1)")
     p.add_argument("--model", default=None, help="default: the first model of GET /models")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint", choices=tuple(ENDPOINT_ALIASES), default=None,
+                   help="completions (default) or chat; vLLM's /v1/... spellings too")
+    p.add_argument("--backend", choices=tuple(BACKENDS), default=None,
+                   help="as vllm bench serve: openai / vllm (completions), openai-chat (chat)")
+    p.add_argument("--tokenizer", default="auto",
+                   help="how prompt tokens are counted: auto (the server's /tokenize, else "
+                   "1 token per byte), bytes, or a pdmesh model spec (tiny, smollm2, a .gguf "
+                   "path, a checkpoint directory)")
+    p.add_argument("--dataset-name", choices=("random", "sharegpt"), default="random")
+    p.add_argument("--dataset-path", default=None,
+                   help="a local ShareGPT-format JSON file (with --dataset-name sharegpt)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="max_tokens of every dataset request (default: the reference "
+                   "completion's length)")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="metrics to report percentiles for (vllm bench serve spelling)")
+    p.add_argument("--metric-percentiles", default="90,99",
+                   help="comma-separated percentiles, e.g. 25,50,99.9")
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help='send "ignore_eos": true')
@@ -159,11 +190,12 @@ async def run(args: argparse.Namespace) -> int:
         "OPENAI_API_KEY")
     keys = _keys(args.api_keys, default_key)
     primary = Target(args.label or ("mesh" if args.compare_base_url else "target"),
-                     args.base_url, keys, args.model)
+                     api_base(args.base_url), keys, args.model)
     info = await discover(primary) if not (args.model and args.context_length) else {}
     model = args.model or info.get("id")
     if not model:
-        print("loadtest: no --model and none found at GET /models", file=sys.stderr)
+        print(f"loadtest: no --model and none found at GET {primary.base_url}/models",
+              file=sys.stderr)
         return EXIT_USAGE
     context_length = args.context_length or context_length_of(info)
     spec = WorkloadSpec(
@@ -172,19 +204,32 @@ async def run(args: argparse.Namespace) -> int:
         num_tenants=args.tenants or len(keys), shared_prefix_len=args.shared_prefix_len,
         shared_prefix_share=args.shared_prefix_share,
         over_capacity_fraction=args.over_capacity_fraction, context_length=context_length)
-    requests = build_requests(spec)
+    counter = await tokens.make_counter(args.tokenizer, server_root(primary.base_url),
+                                        keys[0], model)
+    args.tokenizer_id = counter.name
+    requests = await _requests(args, spec, counter)
     out_dir = Path(args.output_dir)
     runs = {primary.label: await run_target(args, primary, model, spec, requests, stop,
                                             show_progress)}
     targets = [primary]
     if args.compare_base_url and not stop.is_set():
-        other = Target(args.compare_label, args.compare_base_url,
+        other = Target(args.compare_label, api_base(args.compare_base_url),
                        _keys(args.compare_api_keys, None) if args.compare_api_keys else keys,
                        args.compare_model or model)
         targets.append(other)
         runs[other.label] = await run_target(args, other, other.model or model, spec,
                                              requests, stop, show_progress)
     return _save(args, out_dir, targets, runs, interrupted=stop.is_set())
+
+
+async def _requests(args: argparse.Namespace, spec: WorkloadSpec,
+                    counter: tokens.TokenCounter) -> list[RequestSpec]:
+    """The measured requests: from the dataset file, or generated and sized in tokens."""
+    if args.dataset_name == "sharegpt":
+        return await sharegpt_requests(Path(args.dataset_path), spec.num_requests, spec.seed,
+                                       spec.num_tenants, counter, args.sharegpt_output_len,
+                                       spec.context_length)
+    return await tokens.fit(build_requests(spec), spec, counter, shared_prefix(spec))
 
 
 def _save(args: argparse.Namespace, out_dir: Path, targets: list[Target],
@@ -222,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.tenants is not None and args.tenants < 1:
             raise ValueError("--tenants must be >= 1")
         _length_dist(args, "input"), _length_dist(args, "output")
+        args.percentile_metrics = parse_metric_names(args.percentile_metrics)
+        args.metric_percentiles = parse_percentiles(args.metric_percentiles)
+        if args.dataset_name == "sharegpt" and not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE")
+        if args.backend and args.endpoint and BACKENDS[args.backend] != ENDPOINT_ALIASES[
+                args.endpoint]:
+            raise ValueError(f"--backend {args.backend} and --endpoint {args.endpoint} "
+                             "disagree")
+        args.endpoint = ENDPOINT_ALIASES[args.endpoint] if args.endpoint else BACKENDS.get(
+            args.backend or "openai", "completions")
     except ValueError as exc:
         parser.error(str(exc))
     try:

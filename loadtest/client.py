@@ -352,6 +352,19 @@ async def model_info(base_url: str, api_key: str | None) -> dict:
         return await fetch_model_info(session, base_url, api_key)
 
 
+def api_base(url: str) -> str:
+    """The OpenAI API base of a server given as http://host:port or http://host:port/v1
+    (vllm bench serve's --base-url is the former; OpenAI clients use the latter)."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def server_root(url: str) -> str:
+    """The server's root (where /tokenize, /health and /metrics live)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 def context_length_of(model_info: dict) -> int | None:
     """The served context length, if the /models entry announces one."""
     for key in ("max_model_len", "context_length", "max_context_length", "context_window"):

@@ -36,14 +36,41 @@ def parse_goodput(items: Sequence[str]) -> dict[str, float]:
     return slos
 
 
-def summarize_ms(values_s: Sequence[float]) -> dict[str, float]:
-    """mean / median / std / p90 / p99 in milliseconds (zeros when there is nothing)."""
+def percentile_name(p: float) -> str:
+    """`p99`, `p99.9`: how vllm bench serve names a percentile in its result keys."""
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
+
+
+def parse_percentiles(raw: str) -> tuple[float, ...]:
+    """`--metric-percentiles "25,50,99.9"` -> (25.0, 50.0, 99.9)."""
+    try:
+        values = tuple(float(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--metric-percentiles must be numbers: {raw!r}") from None
+    if not values or any(not 0 < p < 100 for p in values):
+        raise ValueError(f"--metric-percentiles must be within (0, 100): {raw!r}")
+    return values
+
+
+def parse_metric_names(raw: str) -> tuple[str, ...]:
+    """`--percentile-metrics "ttft,tpot"` -> ("ttft", "tpot")."""
+    names = tuple(x.strip() for x in raw.split(",") if x.strip())
+    bad = [n for n in names if n not in LATENCY_METRICS]
+    if not names or bad:
+        raise ValueError(f"--percentile-metrics must name some of {LATENCY_METRICS}: {raw!r}")
+    return names
+
+
+def summarize_ms(values_s: Sequence[float], percentiles: Sequence[float] = PERCENTILES
+                 ) -> dict[str, float]:
+    """mean / median / std / percentiles in milliseconds (zeros when there is nothing)."""
     if len(values_s) == 0:
-        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
+        return {"mean": 0.0, "median": 0.0, "std": 0.0,
+                **{percentile_name(p): 0.0 for p in percentiles}}
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     stats = {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std())}
-    for p in PERCENTILES:
-        stats[f"p{p}"] = float(np.percentile(ms, p))
+    for p in percentiles:
+        stats[percentile_name(p)] = float(np.percentile(ms, p))
     return stats
 
 
@@ -95,8 +122,11 @@ def ttft_by_input_len(results: Sequence[RequestResult]) -> dict[str, dict[str, f
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float,
-                    slos_ms: dict[str, float] | None = None) -> dict:
-    """The measured figures of one run (warm-up requests are dropped here)."""
+                    slos_ms: dict[str, float] | None = None,
+                    metrics: Sequence[str] = LATENCY_METRICS,
+                    percentiles: Sequence[float] = PERCENTILES) -> dict:
+    """The measured figures of one run (warm-up requests are dropped here); statistics
+    for `metrics` (`--percentile-metrics`) at `percentiles` (`--metric-percentiles`)."""
     measured = sorted((r for r in results if not r.warmup), key=lambda r: r.index)
     ok = [r for r in measured if r.success]
     total_input = sum(r.input_len for r in ok)
@@ -125,8 +155,8 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
         "itl": [itl for r in ok for itl in r.itls_s],
         "e2el": [r.e2el_s for r in ok],
     }
-    for metric in LATENCY_METRICS:
-        for stat, value in summarize_ms(series[metric]).items():
+    for metric in metrics:
+        for stat, value in summarize_ms(series[metric], percentiles).items():
             out[f"{stat}_{metric}_ms"] = value
     # pdmesh extras
     out["e2els"] = [r.e2el_s if r.success else 0.0 for r in measured]

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pdmesh.services import messages as m
 from pdmesh.services.engine.models import LoadedModel, load_model
 from pdmesh.services.engine.reference import ReferenceEngine
-from pdmesh.services.engine.sampling import SamplingParams
+from pdmesh.services.engine.sampling import Sampler, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,38 @@ class ReferenceOracle:
         return self.engine.generate(list(prompt_ids),
                                     SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
-    def answer(self, prompt_ids: Sequence[int], max_tokens: int) -> Expected:
-        ids = self.ids(prompt_ids, max_tokens)
+    def run(self, prompt_ids: Sequence[int], max_tokens: int, sampling: m.Sampling
+            ) -> tuple[list[int], list[TokenLogprobs]]:
+        """Tokens (and, with `sampling.logprobs`, their logprobs) the mesh must produce for
+        any wire `Sampling` (penalties, min_tokens, ignore_eos, stop_token_ids, seeds):
+        the same sampler and stop rule as prefill + decode, on the reference engine."""
+        prompt = list(prompt_ids)
+        total = len(prompt) + max_tokens
+        if total > self.max_context:
+            raise ValueError(f"prompt + max_tokens = {total} > max_context {self.max_context}")
+        sampler = Sampler.for_request(sampling, max_tokens, self.tokenizer.eos_token_ids)
+        engine = self.engine
+        cache = engine.new_cache(total)
+        logits = engine.prefill(cache, prompt)
+        out: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        while True:
+            token = sampler.sample(logits)
+            out.append(token)
+            logprobs.extend(sampler.take_logprobs(token))
+            if sampler.accept(token) or len(out) >= max_tokens:
+                return out, logprobs
+            logits = engine.decode([cache], [token], [len(prompt) + len(out) - 1])[0]
+
+    def answer(self, prompt_ids: Sequence[int], max_tokens: int,
+               sampling: m.Sampling | None = None) -> Expected:
+        """The reply for these ids: greedy by default, else exactly as `sampling` says."""
+        ids = (self.ids(prompt_ids, max_tokens) if sampling is None
+               else self.run(prompt_ids, max_tokens, sampling)[0])
         eos = self.tokenizer.eos_token_ids
-        stopped = bool(ids) and ids[-1] in eos
+        stops = eos if sampling is None else (
+            set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos)))
+        stopped = bool(ids) and ids[-1] in stops
         return Expected(self.tokenizer.decode([t for t in ids if t not in eos]),
                         "stop" if stopped else "length", len(ids))
 

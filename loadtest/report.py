@@ -1,18 +1,22 @@
 """Output: results JSON (vllm bench serve field names), PNG plots, text tables.
 
-Plots read only the results dicts, so they can be redrawn from saved JSON files.
+Plots read only the results dicts, so they can be redrawn from saved JSON files. They need
+matplotlib (the `plot` extra); without it they are skipped with a note and everything else
+is written.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure  # no pyplot: Agg rendering, no global GUI state
 
 # The results schema: `vllm bench serve` names (its tooling reads the file) + pdmesh extras.
 VLLM_RESULT_KEYS = (
@@ -60,9 +64,16 @@ def _latency_series(result: Mapping) -> dict[str, np.ndarray]:
     }
 
 
+def _figure(**kw: Any) -> Any:
+    # No pyplot: Agg rendering, no global GUI state. Imported here: an optional extra.
+    from matplotlib.figure import Figure
+
+    return Figure(**kw)
+
+
 def plot_latency_cdfs(runs: Mapping[str, Mapping], path: Path) -> Path:
     """One panel per latency (TTFT, ITL, E2E), one CDF line per run (label -> results)."""
-    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    fig = _figure(figsize=(15, 4.5), layout="constrained")
     axes = fig.subplots(1, 3)
     for label, result in runs.items():
         for ax, (name, values_s) in zip(axes, _latency_series(result).items(), strict=True):
@@ -83,7 +94,7 @@ def plot_latency_cdfs(runs: Mapping[str, Mapping], path: Path) -> Path:
 
 
 def plot_ttft_vs_prompt_len(runs: Mapping[str, Mapping], path: Path) -> Path:
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    fig = _figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
     for label, result in runs.items():
         ok = _ok_mask(result)
@@ -102,6 +113,10 @@ def plot_ttft_vs_prompt_len(runs: Mapping[str, Mapping], path: Path) -> Path:
 
 def write_plots(runs: Mapping[str, Mapping], output_dir: Path) -> list[Path]:
     output_dir.mkdir(parents=True, exist_ok=True)
+    if importlib.util.find_spec("matplotlib") is None:
+        print("loadtest: no plots (matplotlib is not installed: pip install 'pdmesh[plot]')",
+              file=sys.stderr)
+        return []
     return [plot_latency_cdfs(runs, output_dir / LATENCY_CDF_PNG),
             plot_ttft_vs_prompt_len(runs, output_dir / TTFT_VS_PROMPT_PNG)]
 
@@ -141,8 +156,11 @@ def format_summary(result: Mapping) -> str:
         ("Total token throughput (tok/s)", result["total_token_throughput"]),
     ]
     for metric, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
-        for stat in ("mean", "median", "p90", "p99"):
-            rows.append((f"{stat.capitalize()} {name} (ms)", result[f"{stat}_{metric}_ms"]))
+        stats = [k[: -len(f"_{metric}_ms")] for k in result if k.endswith(f"_{metric}_ms")]
+        for stat in stats:
+            if stat != "std":
+                label = stat.upper() if stat.startswith("p") else stat.capitalize()
+                rows.append((f"{label} {name} (ms)", result[f"{stat}_{metric}_ms"]))
     rows += [
         ("Expected rejections", result["expected_rejections"]),
         ("Correct rejections (400)", result["correct_rejections"]),

@@ -14,7 +14,7 @@ import aiohttp
 
 from pdmesh.loadtest import integrity
 from pdmesh.loadtest.client import ClientConfig, RequestResult, model_info, send_request
-from pdmesh.loadtest.metrics import compute_metrics, parse_goodput
+from pdmesh.loadtest.metrics import LATENCY_METRICS, PERCENTILES, compute_metrics, parse_goodput
 from pdmesh.loadtest.progress import ProgressBar
 from pdmesh.loadtest.runner import LoadShape, SendFn, run_load
 from pdmesh.loadtest.workload import RequestSpec, WorkloadSpec, build_warmup_requests
@@ -82,7 +82,7 @@ async def run_target(args: argparse.Namespace, target: Target, model: str,
         "label": target.label,
         "base_url": target.base_url,
         "model_id": model,
-        "tokenizer_id": "byte-level (1 token per byte, assumed)",
+        "tokenizer_id": getattr(args, "tokenizer_id", "bytes (1 token per byte, assumed)"),
         "num_prompts": len(requests),
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "burstiness": args.burstiness,
@@ -97,7 +97,9 @@ async def run_target(args: argparse.Namespace, target: Target, model: str,
         "not_issued": outcome.not_issued,
         "interrupted": outcome.interrupted,
         "deadline_reached": outcome.deadline_reached,
-        **compute_metrics(outcome.results, outcome.duration_s, slos),
+        **compute_metrics(outcome.results, outcome.duration_s, slos,
+                          getattr(args, "percentile_metrics", LATENCY_METRICS),
+                          getattr(args, "metric_percentiles", PERCENTILES)),
     }
     mismatches = None
     if args.integrity:

@@ -1,16 +1,16 @@
 """Workload generation: prompts of known token counts, lengths, tenants, over-long share.
 
-The target's tokenizer is unknown to the client, so prompts are built for the pdmesh `tiny`
-model's byte-level tokenizer: one token per byte (plus possibly a BOS). A prompt of N tokens
-is N printable ASCII characters. Every prompt text derives only from the seed and the
-request index (and the shared prefix from the seed alone), so two runs with the same seed
-send byte-identical prompts; that is what makes mesh-vs-colocated comparisons and
-integrity checks meaningful.
+Prompts are first built as N printable ASCII characters for N tokens (exact for the pdmesh
+`tiny` model's byte-level tokenizer), then `loadtest/tokens.py` counts them with the served
+model's tokenizer and resizes them (`resize`) until the counts are right. Every prompt text
+derives only from the seed, the request index and its length (and the shared prefix from
+the seed alone), so two runs with the same seed send byte-identical prompts; that is what
+makes mesh-vs-colocated comparisons and integrity checks meaningful.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -82,7 +82,8 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request to send. `prompt_len` is the intended prompt token count (= bytes)."""
+    """One request to send. `prompt_len` is its prompt's token count: as counted by the
+    served model's tokenizer (`num_tokens`), else one token per byte."""
 
     index: int
     tenant: int
@@ -90,10 +91,25 @@ class RequestSpec:
     max_tokens: int
     expect_reject: bool = False
     warmup: bool = False
+    num_tokens: int | None = None  # counted with the target's tokenizer
+    shared: bool = False  # starts with the workload's shared prefix
+    seed: int = 0  # the workload's seed (resize rebuilds the same text)
+    fixed_text: bool = False  # a dataset prompt: counted, never resized
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt)
+        return self.num_tokens if self.num_tokens is not None else len(self.prompt)
+
+
+def resize(req: RequestSpec, num_chars: int, prefix: str) -> RequestSpec:
+    """The same request with its prompt rebuilt at `num_chars` characters (uncounted)."""
+    prompt = build_prompt(max(1, num_chars), req.tenant, req.index, req.seed,
+                          prefix if req.shared else "", req.warmup)
+    return replace(req, prompt=prompt, num_tokens=None)
+
+
+def shared_prefix(spec: WorkloadSpec) -> str:
+    return random_text(_rng(spec.seed, _STREAM_PREFIX_TEXT), spec.shared_prefix_len)
 
 
 def _rng(seed: int, *stream: int) -> np.random.Generator:
@@ -141,7 +157,7 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
     shared = set(
         _rng(spec.seed, _STREAM_PREFIX_CHOICE).choice(n, size=num_shared, replace=False).tolist()
     )
-    prefix = random_text(_rng(spec.seed, _STREAM_PREFIX_TEXT), spec.shared_prefix_len)
+    prefix = shared_prefix(spec)
     requests = []
     for i in range(n):
         max_tokens = int(output_lens[i])
@@ -162,7 +178,8 @@ def build_requests(spec: WorkloadSpec) -> list[RequestSpec]:
                 prompt_len = min(prompt_len, limit)
         tenant = i % spec.num_tenants
         prompt = build_prompt(prompt_len, tenant, i, spec.seed, prefix if i in shared else "")
-        requests.append(RequestSpec(i, tenant, prompt, max_tokens, expect_reject=i in over))
+        requests.append(RequestSpec(i, tenant, prompt, max_tokens, expect_reject=i in over,
+                                    shared=i in shared, seed=spec.seed))
     return requests
 
 
@@ -180,5 +197,6 @@ def build_warmup_requests(spec: WorkloadSpec, num_warmup: int) -> list[RequestSp
             prompt_len = max(1, min(prompt_len, limit))
         tenant = i % spec.num_tenants
         prompt = build_prompt(prompt_len, tenant, i, spec.seed, warmup=True)
-        requests.append(RequestSpec(i, tenant, prompt, max_tokens, warmup=True))
+        requests.append(RequestSpec(i, tenant, prompt, max_tokens, warmup=True,
+                                    seed=spec.seed))
     return requests

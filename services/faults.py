@@ -15,6 +15,8 @@ Faults (name: what happens):
 - `bypass_admission`: admission skips its length checks (the workers' own gates must hold).
 - `stub_transfer`: prefill sends a 1-token stub for the whole prompt (the 2026 incident).
 - `stale_epoch`, `foreign_reservation`: prefill's frames name another epoch / reservation.
+- `first_token_out_of_range`, `first_token_negative`: the commit carries a first token id
+  outside the vocabulary (decode must fail only this request, not its whole batch).
 - `corrupt_payload`, `corrupt_header`, `drop_frame`, `duplicate_frame`, `reorder_frames`,
   `commit_first` (the "done" arrives before the data), `truncate`, `reset`: data-plane
   faults on this request's KV frames.
@@ -53,7 +55,7 @@ REQUEST_FAULTS = "request_faults"
 
 DATA_PLANE = ("corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
               "reorder_frames", "commit_first", "truncate", "reset", "stall", "stale_epoch",
-              "foreign_reservation")
+              "foreign_reservation", "first_token_out_of_range", "first_token_negative")
 CONTROL = ("bypass_admission", "stub_transfer", "silent_prefill", "prefill_reject")
 ALL = DATA_PLANE + CONTROL
 
@@ -96,6 +98,15 @@ def gateway_headers(cfg: ServiceConfig) -> Any:
         return {NATS_FAULT_HEADER: fault} if fault else None
 
     return headers
+
+
+def gateway_bypass(cfg: ServiceConfig) -> Any:
+    """Whether the gateway skips its own context check for a request: on a test mesh, for
+    `bypass_admission` (so that the workers' gates are what is tested); never in
+    production."""
+    if not enabled(cfg):
+        return lambda _http_headers: False
+    return lambda http_headers: http_headers.get(FAULT_HEADER, "") == "bypass_admission"
 
 
 # -- admission ------------------------------------------------------------------------------
@@ -144,6 +155,10 @@ class FaultySender:
             plan = dataclasses.replace(plan, epoch=plan.epoch + 1)
         elif fault == "foreign_reservation":
             plan = dataclasses.replace(plan, reservation_id=str(uuid.uuid4()))
+        elif fault == "first_token_out_of_range":
+            plan = dataclasses.replace(plan, first_token=1 << 40)
+        elif fault == "first_token_negative":
+            plan = dataclasses.replace(plan, first_token=-1)
         frame_faults = data_plane_plan(fault, len(buffers), plan.page_bytes)
         if frame_faults is not None:
             self.inner.arm(plan.reservation_id, frame_faults)

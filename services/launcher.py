@@ -6,6 +6,12 @@ process running `pdmesh serve <role>` (the command compose runs), with logs pref
 service. Ctrl-C / SIGTERM drains the services, then stops nats-server; children also get
 SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so nothing is
 orphaned.
+
+The embedded nats-server runs with authentication: every run makes fresh credentials, one
+NATS user per process with per-subject permissions (services/natsauth.py), handed to each
+service as PDMESH_NATS_USER / PDMESH_NATS_PASSWORD. They live in a private run directory
+(0700, removed at stop) that also holds `tools.url`, the read-only `tools` identity for
+`pdmesh check` and tests. With `--nats-url` the launcher uses that server as it is.
 """
 
 from __future__ import annotations
@@ -14,15 +20,18 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdmesh.services import natsauth
 from pdmesh.services.errors import StartupError
 from pdmesh.services.topology import ServiceSpec, mesh_services
 
@@ -88,19 +97,13 @@ class Launcher:
         self.children: list[Child] = []
         self.nats: Child | None = None
         self.specs: list[ServiceSpec] = []
+        self.run_dir: Path | None = None  # embedded NATS only: credentials of this run
+        self.identities: dict[str, natsauth.Identity] = {}  # by spec name (+ "tools")
         self._stopping = False
 
     async def start(self) -> None:
         if port_in_use("127.0.0.1", self.gateway_port):
             raise StartupError("up", f"gateway port {self.gateway_port}", "already in use")
-        if not self.nats_url:
-            port = free_port()
-            monitor = free_port()
-            proc = await self._spawn("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p",
-                                              str(port), "-m", str(monitor)], os.environ.copy())
-            self.nats = proc
-            self.nats_url = f"nats://127.0.0.1:{port}"
-            await self._wait_http(f"http://127.0.0.1:{monitor}/healthz", "nats", 15)
         ports: dict[tuple[str, int], int] = {}
 
         def port_for(role: str, i: int) -> int:
@@ -109,13 +112,46 @@ class Launcher:
         self.specs = mesh_services(prefill=self.prefill, decode=self.decode,
                                    port_for=port_for, gateway_port=self.gateway_port,
                                    colocated=self.colocated)
+        if not self.nats_url:
+            await self._start_nats()
         for spec in self.specs:
             env = {**os.environ, **self.env, **spec.env, "PDMESH_NATS_URL": self.nats_url}
+            ident = self.identities.get(spec.name)
+            if ident is not None:
+                env.update(PDMESH_WORKER_ID=ident.user, PDMESH_NATS_USER=ident.user,
+                           PDMESH_NATS_PASSWORD=ident.password)
             argv = [sys.executable, "-m", "pdmesh.services.cli", *spec.command]
             self.children.append(await self._spawn(spec.name, argv, env))
         for spec in self.specs:
             await self._wait_http(f"http://127.0.0.1:{spec.http_port}/ready", spec.name,
                                   READY_TIMEOUT_S)
+
+    async def _start_nats(self) -> None:
+        """The embedded nats-server, with one user per process of this run."""
+        suffix = secrets.token_hex(3)
+        worker_ids = {spec.name: f"{spec.name}-{suffix}" for spec in self.specs}
+        by_user = natsauth.mesh_identities(
+            (spec.role, worker_ids[spec.name]) for spec in self.specs)
+        self.identities = {name: by_user[wid] for name, wid in worker_ids.items()}
+        self.identities[natsauth.TOOLS_USER] = by_user[natsauth.TOOLS_USER]
+        self.run_dir = Path(tempfile.mkdtemp(prefix="pdmesh-up-"))  # 0700
+        conf = self.run_dir / "nats.conf"
+        conf.write_text(natsauth.server_config(by_user.values()))
+        conf.chmod(0o600)
+        port, monitor = free_port(), free_port()
+        self.nats = await self._spawn("nats", [
+            nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port),
+            "-m", str(monitor)], os.environ.copy())
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        for name, ident in self.identities.items():
+            path = self.run_dir / f"{name}.url"
+            path.write_text(ident.url(self.nats_url) + "\n")
+            path.chmod(0o600)
+        await self._wait_http(f"http://127.0.0.1:{monitor}/healthz", "nats", 15)
+
+    @property
+    def tools_url_file(self) -> Path | None:
+        return self.run_dir / "tools.url" if self.run_dir else None
 
     async def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the
@@ -171,6 +207,8 @@ class Launcher:
         await self._terminate(list(reversed(self.children)))
         if self.nats is not None:
             await self._terminate([self.nats])
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     async def _terminate(self, children: list[Child]) -> None:
         for c in children:
@@ -214,6 +252,10 @@ async def run_up(launcher: Launcher) -> int:
             return 130
         stopper.cancel()
         start.result()
+        if launcher.tools_url_file is not None:
+            print(f"pdmesh: NATS requires credentials (one user per process); read-only "
+                  f"tools identity: pdmesh check --nats-url \"$(cat "
+                  f"{launcher.tools_url_file})\"", flush=True)
         print(f"pdmesh: mesh ready: http://127.0.0.1:{launcher.gateway_port}/v1 "
               f"(NATS {launcher.nats_url}); Ctrl-C to stop", flush=True)
         if launcher.keep_going:

@@ -21,6 +21,7 @@ HEARTBEAT_SUBJECT: Final = f"{PREFIX}.heartbeat"  # + ".<role>.<worker_id>"
 HEARTBEAT_WILDCARD: Final = f"{PREFIX}.heartbeat.>"
 ABORT_SUBJECT: Final = f"{PREFIX}.abort"
 STATS_SUBJECT: Final = f"{PREFIX}.stats"  # + ".<role>.<worker_id>" (request/reply)
+UNREACHABLE_SUBJECT: Final = f"{PREFIX}.admission.unreachable"
 
 
 def heartbeat_subject(role: str, worker_id: str) -> str:
@@ -130,9 +131,24 @@ FINISHED_LENGTH: Final = Outcome(code=Code.LENGTH)
 # Requests and tickets
 # ---------------------------------------------------------------------------------------
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """How one request samples, carried to prefill (first token) and decode (the rest).
+    Every field's default is its neutral value (services/engine/sampling.py applies them)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens, as vLLM
+    presence_penalty: float = 0.0  # over output tokens
+    frequency_penalty: float = 0.0  # over output tokens
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's + the top k
+    # The prompt's distinct token ids, sent only when repetition_penalty != 1 (decode does
+    # not see the prompt otherwise).
+    penalty_prompt_ids: list[int] = []
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
@@ -221,6 +237,9 @@ class PrefillDispatch(msgspec.Struct, frozen=True, kw_only=True, tag="dispatch")
     prompt_ids: list[int]
     sampling: Sampling
     reservation: Reservation
+    # Admission's HMAC over the ticket, prompt digest and reservation (tickets.grant()):
+    # prefill refuses a dispatch whose grant does not verify.
+    grant: str = ""
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
@@ -250,6 +269,19 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     token_ids: list[int] = []
     finish: Outcome | None = None
     prompt_tokens: int = 0
+    # With Sampling.logprobs: per token of `token_ids`, (its logprob, [(id, logprob) of the
+    # top k]). The first token is sampled on prefill, which sends its logprobs in a
+    # `FirstTokenLogprobs` event before the KV goes out (decode's seq 0 carries none).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+
+
+class FirstTokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, tag="first_logprobs"):
+    """Prefill -> gateway, with Sampling.logprobs only: the logprobs of the first token,
+    which prefill samples; sent before the KV goes out. Neither carries tokens nor ends."""
+
+    request_id: str
+    token_id: int
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = []
 
 
 class StreamFailed(msgspec.Struct, frozen=True, kw_only=True, tag="failed"):
@@ -276,7 +308,7 @@ class StreamInterrupted(msgspec.Struct, frozen=True, kw_only=True, tag="interrup
     detail: str
 
 
-StreamEvent = TokenEvent | StreamFailed | PrefixCacheInfo
+StreamEvent = TokenEvent | StreamFailed | PrefixCacheInfo | FirstTokenLogprobs
 LocalStreamEvent = StreamEvent | StreamInterrupted
 
 
@@ -307,6 +339,17 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
     prefix_hashes: list[int] = []
     prefix_align_tokens: int = 0
     prefix_cached_tokens: int = 0  # tokens held by the cache (evictable ones included)
+
+
+class DataPlaneUnreachable(msgspec.Struct, frozen=True, kw_only=True, tag="unreachable"):
+    """Prefill -> admission: connecting to this worker's advertised data address failed, so
+    admission routes around it (a wrong or unreachable address is caught at its first
+    transfer, not retried forever)."""
+
+    worker_id: str
+    data_address: str
+    reporter: str
+    detail: str = ""
 
 
 class StatsReply(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):

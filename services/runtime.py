@@ -16,6 +16,7 @@ import contextlib
 import enum
 import logging
 import signal
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -78,14 +79,14 @@ class ServiceRuntime:
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_get("/metrics", self._metrics)
         self.bad_messages = Counter(
-            "pdmesh_bad_messages_total", "Control messages that failed to decode",
+            "pdmesh:bad_messages_total", "Control messages that failed to decode",
             ["service", "subject"], registry=self.registry)
         self.handler_errors = Counter(
-            "pdmesh_handler_errors_total", "Handlers that raised unexpectedly",
+            "pdmesh:handler_errors_total", "Handlers that raised unexpectedly",
             ["service", "subject"], registry=self.registry)
-        self.state_gauge = Gauge("pdmesh_service_state", "0 starting, 1 ready, 2 draining, "
+        self.state_gauge = Gauge("pdmesh:service_state", "0 starting, 1 ready, 2 draining, "
                                  "3 closed", ["service"], registry=self.registry)
-        self.nats_connected = Gauge("pdmesh_nats_connected", "1 while connected to NATS",
+        self.nats_connected = Gauge("pdmesh:nats_connected", "1 while connected to NATS",
                                     ["service"], registry=self.registry)
         self._set_state(ServiceState.STARTING)
 
@@ -117,6 +118,13 @@ class ServiceRuntime:
                                                                       "decode"):
             log.warning("%s uses the built-in dev mesh secret; set PDMESH_MESH_SECRET in "
                         "production", self.role)
+        tls: ssl.SSLContext | None = None
+        if self.cfg.nats_tls_ca:  # multi-host NATS: verify the servers against this CA
+            try:
+                tls = ssl.create_default_context(cafile=self.cfg.nats_tls_ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise StartupError(self.role, f"NATS CA {self.cfg.nats_tls_ca}", str(exc)) \
+                    from exc
         deadline = time.monotonic() + self.cfg.nats_connect_timeout_s
         last: Exception | None = None
         while time.monotonic() < deadline:
@@ -125,6 +133,13 @@ class ServiceRuntime:
                 # reconnects, so the start-up deadline is ours.
                 await asyncio.wait_for(self.nc.connect(
                     servers=self.cfg.nats_servers, name=f"{self.role}:{self.worker_id}",
+                    user=self.cfg.nats_user or None, password=self.cfg.nats_password or None,
+                    # With a CA: TLS before anything else, so a server (or a man in the
+                    # middle) that does not offer TLS never sees the password in clear.
+                    tls=tls, tls_handshake_first=tls is not None,
+                    # In the order given: a host's own NATS node first (multi-host), the
+                    # others only to fail over to.
+                    dont_randomize=True,
                     connect_timeout=1, allow_reconnect=True, max_reconnect_attempts=-1,
                     reconnect_time_wait=0.25, ping_interval=5, max_outstanding_pings=2,
                     drain_timeout=DRAIN_TIMEOUT_S,

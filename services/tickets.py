@@ -4,6 +4,13 @@ A ticket is the type-level proof that a request was ADMITTED (architecture: "onl
 can construct the admitted ticket, and prefill/decode verify it"). The signature is
 HMAC-SHA256 with the mesh secret over the canonical msgpack encoding of every other field,
 so lengths, tenant, salt, chosen workers and expiry cannot be changed in transit.
+
+The ticket is signed before decode reserves, so it cannot name the reservation. Once decode
+reserved, admission signs a *grant* (`grant()`, sent as `PrefillDispatch.grant`): HMAC-SHA256
+with the mesh secret over the ticket's signature, a SHA-256 digest of the prompt's token
+ids and every field of the reservation (id, epoch, page ids, page geometry, data address).
+Prefill checks it (`verify_grant()`) before it computes anything: a dispatch whose prompt,
+reservation or data address was swapped is refused like a bad ticket.
 """
 
 from __future__ import annotations
@@ -33,6 +40,34 @@ def sign(secret: str, *, request_id: str, tenant: str, cache_salt: str, prompt_l
         max_tokens=max_tokens, prefill_worker=prefill_worker, decode_worker=decode_worker,
         expires_at=time.time() + ttl_s, nonce=secrets.token_hex(8))
     return msgspec.structs.replace(unsigned, signature=_mac(secret, unsigned))
+
+
+def prompt_digest(prompt_ids: list[int]) -> str:
+    """SHA-256 over the canonical msgpack encoding of the prompt's token ids (hex)."""
+    return hashlib.sha256(msgspec.msgpack.encode(prompt_ids)).hexdigest()
+
+
+def _grant_mac(secret: str, ticket: m.AdmittedTicket, prompt_ids: list[int],
+               reservation: m.Reservation) -> str:
+    body = msgspec.msgpack.encode(["pdmesh-grant", ticket.signature, prompt_digest(prompt_ids),
+                                   reservation])
+    return hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def grant(secret: str, ticket: m.AdmittedTicket, prompt_ids: list[int],
+          reservation: m.Reservation) -> str:
+    """Admission only, after decode reserved: binds the ticket to this prompt and this
+    reservation (its id, epoch, pages and data address)."""
+    return _grant_mac(secret, ticket, prompt_ids, reservation)
+
+
+def verify_grant(secret: str, dispatch: m.PrefillDispatch) -> None:
+    """Raise TicketError unless the dispatch's grant covers its ticket, prompt and
+    reservation exactly as admission signed them."""
+    expected = _grant_mac(secret, dispatch.ticket, dispatch.prompt_ids, dispatch.reservation)
+    if not hmac.compare_digest(expected, dispatch.grant):
+        raise TicketError(dispatch.ticket.request_id,
+                          "grant does not match the prompt or reservation admission signed")
 
 
 class TicketVerifier:

@@ -2,7 +2,7 @@
 
 The capacity audit (invariant I5, `services.capacity.audit_capacity`) runs once at start on
 the real pool: a configured context larger than the pool either stops the worker
-(`--on-capacity-mismatch fail`) or is clamped loudly (log at ERROR, `pdmesh_capacity_mismatch`
+(`--on-capacity-mismatch fail`) or is clamped loudly (log at ERROR, `pdmesh:capacity_mismatch`
 = 1, `capacity_mismatch` in every heartbeat). Heartbeats carry live pool figures only.
 """
 
@@ -71,14 +71,19 @@ class WorkerBase:
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.seen_requests: collections.deque[str] = collections.deque(maxlen=2048)
         r = self.rt.registry
-        Gauge("pdmesh_capacity_mismatch", "1 when configured context > real pool capacity",
+        Gauge("pdmesh:capacity_mismatch", "1 when configured context > real pool capacity",
               registry=r).set(1 if self.mismatch else 0)
-        self.pool_pages = Gauge("pdmesh_kv_pool_pages", "KV pool pages by state", ["state"],
+        self.pool_pages = Gauge("pdmesh:kv_pool_pages", "KV pool pages by state", ["state"],
                                 registry=r)
-        self.ticket_refusals = Counter("pdmesh_tickets_refused_total", "Tickets refused",
+        self.ticket_refusals = Counter("pdmesh:tickets_refused_total", "Tickets refused",
                                        ["reason"], registry=r)
-        self.kv_bytes = Counter("pdmesh_kv_transfer_bytes_total", "KV bytes moved",
+        self.kv_bytes = Counter("pdmesh:kv_transfer_bytes_total", "KV bytes moved",
                                 ["direction"], registry=r)
+        # vLLM's meaning: the fraction of the KV pool in use (cached-but-evictable is free).
+        self.kv_usage = Gauge("pdmesh:kv_cache_usage_perc", "KV pool in use (0..1)",
+                              ["model_name", "worker"], registry=r).labels(
+                                  cfg.served_model_names[0] if cfg.served_model_names
+                                  else self.model.name, cfg.worker_id)
 
     async def start(self) -> None:
         rt = self.rt
@@ -94,8 +99,15 @@ class WorkerBase:
             r.value for r in self.advertised_roles or (self.role,)))
         rt.on_drain(self._on_drain)
         rt.every(self.cfg.heartbeat_s, self.heartbeat, "heartbeat")
+        rt.extra_ready = self.data_plane_ready  # type: ignore[method-assign]
         rt.mark_ready()
         await self.heartbeat()
+
+    def data_plane_ready(self) -> bool:
+        """Whether the data plane can accept (False while its listener cannot, e.g. out of
+        file descriptors): /ready and the heartbeat's `ready` follow it, so admission stops
+        routing here until it can again."""
+        return bool(getattr(self.transport, "accepting", True))
 
     async def _start_transport(self) -> str:
         """Listen, then advertise the address peers can dial (never a wildcard)."""
@@ -126,6 +138,8 @@ class WorkerBase:
         self.pool_pages.labels("free").set(pool.num_free_pages)
         self.pool_pages.labels("leased").set(pool.num_leased_pages)
         self.pool_pages.labels("cached").set(pool.num_cached_pages)
+        capacity = pool.capacity_tokens
+        self.kv_usage.set(1 - pool.available_tokens / capacity if capacity else 0.0)
         if not self.rt.nc.is_connected:
             return
         cache = getattr(self, "prefix_cache", None)  # prefill workers only
@@ -141,7 +155,8 @@ class WorkerBase:
             page_tokens=pool.spec.page_tokens, configured_context=self.configured_context,
             served_context=self.served_context, capacity_mismatch=self.mismatch,
             queue_depth=self.queue_depth(), active_requests=self.active_requests(),
-            ready=not draining, draining=draining, sent_at=time.time(),
+            ready=not draining and self.data_plane_ready(), draining=draining,
+            sent_at=time.time(),
             prefix_hashes=cache.summary(summary_limit) if cache else [],
             prefix_align_tokens=cache.align_tokens if cache else 0,
             prefix_cached_tokens=cache.num_pages * pool.spec.page_tokens if cache else 0))

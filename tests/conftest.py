@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.meshproc import Mesh, NatsServer, mesh_env, run_mesh
+
+# Every process the suite starts runs with the dev mesh secret and dev tenants, as `make up`
+# does (tests/mesh/test_launcher.py checks that a start without this is refused).
+os.environ.setdefault("PDMESH_ALLOW_DEV_CREDENTIALS", "1")
 
 # The shared mesh: tiny model, a decode/prefill pool smaller than the model's configured
 # context so the capacity audit clamps (I5) and over-capacity prompts are cheap to make.

@@ -59,7 +59,9 @@ class Mesh:
 
     proc: subprocess.Popen[bytes]
     gateway_port: int
-    nats_url: str = ""
+    nats_url: str = ""  # with the `tools` identity's credentials when NATS requires them
+    nats_plain_url: str = ""  # without credentials (an outsider's view)
+    run_dir: Path | None = None  # `pdmesh up`'s credentials of this run (embedded NATS)
     model: str = "tiny"
     max_context: int = 0
     log: list[str] = field(default_factory=list)
@@ -99,6 +101,13 @@ class Mesh:
             except ValueError:
                 return exc.code, {"raw": payload.decode(errors="replace")}
 
+    def nats_url_for(self, name: str) -> str:
+        """The NATS URL with the credentials of process `name` (e.g. `admission`,
+        `gateway`, `decode`), or the plain URL when NATS runs without authentication."""
+        if self.run_dir is None:
+            return self.nats_plain_url
+        return (self.run_dir / f"{name}.url").read_text().strip()
+
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -106,7 +115,9 @@ class Mesh:
 
 
 def mesh_env(**overrides: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING"}
+    # Test meshes run with the dev mesh secret and dev tenants, as `make up` does.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING",
+           "PDMESH_ALLOW_DEV_CREDENTIALS": "1"}
     env.update(overrides)
     return env
 
@@ -128,9 +139,14 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
         for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             mesh.log.append(line)
+            creds = re.search(r"tools identity: .*\$\(cat (\S+)\)", line)
+            if creds:
+                mesh.run_dir = Path(creds.group(1)).parent
             found = re.search(r"mesh ready: .* \(NATS (nats://[^)]+)\)", line)
             if found:
-                mesh.nats_url = found.group(1)
+                mesh.nats_plain_url = found.group(1)
+                mesh.nats_url = (mesh.nats_url_for("tools") if mesh.run_dir
+                                 else mesh.nats_plain_url)
                 ready.set()
 
     reader = threading.Thread(target=pump, daemon=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdmesh.loadtest.oracle import reference
+from pdmesh.services import messages as m
 from pdmesh.services.engine.models import LoadedModel
 
 
@@ -20,3 +21,10 @@ def expected_ids(prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
 
 def expected_text(prompt: str, max_tokens: int) -> str:
     return reference("tiny").expected(prompt, max_tokens).text
+
+
+def expected_run(prompt_ids: Sequence[int], max_tokens: int, sampling: m.Sampling
+                 ) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]]]]:
+    """Tokens and logprobs the mesh must give for any wire `Sampling` (seeded, penalties,
+    min_tokens, ignore_eos, stop_token_ids): the reference engine with the mesh's sampler."""
+    return reference("tiny").run(prompt_ids, max_tokens, sampling)

@@ -29,7 +29,9 @@ class ExpectedTransfer:
     """A live destination registered by the receiver before the sender is told to go.
 
     `deadline_s` is a duration in seconds counted from `expect()`; when it passes without a
-    verified commit the future fails with DEADLINE. Only the first
+    verified commit the future fails with DEADLINE. `key` authenticates every frame of the
+    transfer (`framing.transfer_key(mesh_secret, reservation_id, epoch)`; the sender's plan
+    carries the same key); the empty default is for tests only. Only the first
     ceil(num_tokens / page_tokens) pages are written; the rest of the lease stays untouched.
     """
 
@@ -41,6 +43,7 @@ class ExpectedTransfer:
     page_tokens: int
     num_tokens: int
     deadline_s: float = 30.0
+    key: bytes = dataclasses.field(default=b"", repr=False)
 
     @property
     def num_pages(self) -> int:
@@ -49,7 +52,8 @@ class ExpectedTransfer:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TransferPlan:
-    """What the sender was told: where the pages go. `deadline_s` counts from `send()`."""
+    """What the sender was told: where the pages go. `deadline_s` counts from `send()`;
+    `key` is the reservation's data-plane key (see `ExpectedTransfer`)."""
 
     reservation_id: str
     epoch: int
@@ -59,6 +63,7 @@ class TransferPlan:
     page_bytes: int
     first_token: int
     deadline_s: float = 30.0
+    key: bytes = dataclasses.field(default=b"", repr=False)
 
     @property
     def num_pages(self) -> int:
@@ -101,6 +106,9 @@ class TransportStats:
     transfers_sent: int = 0
     transfers_committed: int = 0
     transfers_failed: int = 0
+    accept_errors: int = 0  # listener accept() failures (EMFILE...): retried with back-off
+    links_refused: int = 0  # unbound inbound connections ended to stay within the cap
+    links_timed_out: int = 0  # unbound inbound connections closed: no header in time
     frames_rejected: collections.Counter[Reason] = dataclasses.field(
         default_factory=collections.Counter
     )
@@ -129,8 +137,11 @@ class KVTransport(Protocol):
 
     async def fence(self, reservation_id: str) -> None:
         """After this returns no byte is ever written into that target's buffers again
-        (frames in flight are drained to scratch) and a pending future fails with FENCED.
-        Idempotent; unknown ids are remembered so later frames for them are rejected."""
+        (frames in flight are drained to scratch; a write already in flight, even for a
+        transfer that had failed before, is waited for) and a pending future fails with
+        FENCED. Raises TransferError(QUARANTINED) when a write's end cannot be established:
+        the caller must then never lease those pages again. Idempotent; unknown ids are
+        remembered so later frames for them are rejected."""
         ...
 
     async def send(

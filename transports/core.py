@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import dataclasses
 import itertools
 import struct
@@ -52,12 +53,14 @@ from .base import (
 from .errors import FrameError, Reason, TransferError
 from .framing import (
     HEADER_SIZE,
+    MAX_PAYLOAD,
     FrameHeader,
     Kind,
     checksum,
     commit_digest,
     decode_header,
     encode_header,
+    mac_ok,
     reservation_bytes,
     tokens_in_page,
 )
@@ -75,6 +78,7 @@ class Frame:
     index: int
     header: bytes
     payload: memoryview | bytes
+    key: bytes = b""  # the transfer's MAC key (to re-encode a header: UCX runs, faults)
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,21 +115,23 @@ def parse_address(address: str, scheme: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def build_frames(plan: TransferPlan, key: bytes, views: list[memoryview]) -> Iterable[Frame]:
-    """DATA frames for each page (checksummed as they are produced), then the COMMIT."""
+def build_frames(plan: TransferPlan, rbytes: bytes, views: list[memoryview]) -> Iterable[Frame]:
+    """DATA frames for each page (checksummed as they are produced), then the COMMIT; every
+    header MACed under the plan's key (the COMMIT's covers every page digest)."""
     sums = []
+    key = plan.key
     for i, view in enumerate(views):
         digest = checksum(view)
         sums.append(digest)
         header = encode_header(
-            Kind.DATA, key, plan.epoch, seq=i, dest_page_id=plan.dest_page_ids[i], page_index=i,
-            token_count=tokens_in_page(i, plan.num_tokens, plan.page_tokens),
-            payload_len=view.nbytes, payload_checksum=digest)
-        yield Frame(i, header, view)
+            Kind.DATA, rbytes, plan.epoch, seq=i, dest_page_id=plan.dest_page_ids[i],
+            page_index=i, token_count=tokens_in_page(i, plan.num_tokens, plan.page_tokens),
+            payload_len=view.nbytes, payload_checksum=digest, key=key)
+        yield Frame(i, header, view, key)
     n = len(views)
-    yield Frame(n, encode_header(Kind.COMMIT, key, plan.epoch, seq=n, page_index=n,
+    yield Frame(n, encode_header(Kind.COMMIT, rbytes, plan.epoch, seq=n, page_index=n,
                                  token_count=plan.num_tokens, aux=plan.first_token,
-                                 payload_checksum=commit_digest(sums)), b"")
+                                 payload_checksum=commit_digest(sums), key=key), b"", key)
 
 
 def reason_of(code: int) -> Reason:
@@ -150,8 +156,23 @@ class TransportCore(abc.ABC):
     scheme = ""
     # TCP streams frames as they are built (checksums overlap the sends); UCX needs them all.
     lazy_frames = False
+    # Pages a receiver may have posted but not yet seen land (`_recv_page` returning a
+    # landing; 0 for transports whose `_recv_page` reads the page itself).
+    receive_window = 0
+    # Whether a DATA header's `aux` may announce a run of pages sent as one payload message
+    # (UCX); other transports ignore `aux` on DATA frames.
+    coalesces = False
+    # Whether `_drain` allocates what it drains (UCX); then a rejected payload is drained
+    # only up to what the reservation it names allows (`_check_drain`).
+    drain_allocates = False
     # What a lost peer looks like on this wire (TimeoutError is an OSError).
     _lost: tuple[type[BaseException], ...] = (OSError, EOFError)
+    # Listener limits (instance attributes may override them): an inbound link bound to no
+    # live transfer must send a whole header within `header_timeout_s` (else it is closed);
+    # at most `max_unbound_links` such links are served at once (a new one ends the oldest).
+    # Outbound idle links are not reused after `header_timeout_s / 2`.
+    header_timeout_s = 30.0
+    max_unbound_links = 256
 
     def __init__(self, host: str, port: int, *, progress_timeout_s: float,
                  on_event: EventCallback | None, frame_filter: FrameFilter | None) -> None:
@@ -165,9 +186,14 @@ class TransportCore(abc.ABC):
         self._listener: Any = None
         self._tasks: set[asyncio.Task] = set()
         self._links: dict[int, Any] = {}  # inbound links being served, by connection id
+        self._link_tasks: dict[int, asyncio.Task] = {}  # the task serving each
         self._link_ids = itertools.count()
-        self._idle: dict[str, list] = {}  # outbound links that may be reused, by address
+        # outbound links that may be reused, by address: (link, when it went idle)
+        self._idle: dict[str, list[tuple[Any, float]]] = {}
         self._closed = False
+        # False while the listener cannot accept (e.g. out of file descriptors): the
+        # owning service reports not ready so that no new transfer is routed here.
+        self.accepting = True
         self.address = ""
 
     def _spawn(self, coro: Awaitable[_T]) -> asyncio.Task[_T]:
@@ -193,34 +219,68 @@ class TransportCore(abc.ABC):
     async def _serve_link(self, link: Any) -> None:
         """Serve one inbound link until it ends: every header is checked against the live
         expectation before any payload byte is read; rejections are answered with a NACK."""
+        unbound = [cid for cid in self._links if not self._table.bound_to(cid)]
+        if len(unbound) >= self.max_unbound_links:
+            # Make room by ending the longest-waiting unbound link (a flood of idle
+            # connections cannot lock out a sender that sends its header at once).
+            self.stats.links_refused += 1
+            self._links.pop(unbound[0])  # its task's `finally` closes it
+            oldest = self._link_tasks.pop(unbound[0], None)
+            if oldest is not None:
+                oldest.cancel()
         conn_id = next(self._link_ids)
         self._links[conn_id] = link
+        task = asyncio.current_task()
+        if task is not None:
+            self._link_tasks[conn_id] = task
+        pending: collections.deque = collections.deque()  # landings of posted pages
         progress = self.progress_timeout_s
         reason, detail = Reason.PEER_LOST, "peer closed the connection"
         try:
             while True:
-                idle = not self._table.bound_to(conn_id)
-                header = await self._recv_header(link, None if idle else progress)
+                if self._table.bound_to(conn_id):
+                    header = await self._recv_header(link, progress)
+                else:  # a whole header within the header timeout, however it trickles
+                    try:
+                        header = await timed(self._recv_header(link, None),
+                                             self.header_timeout_s)
+                    except TimeoutError:
+                        self.stats.links_timed_out += 1
+                        raise
                 if header is None:
                     break
                 try:
                     h = decode_header(header)
-                except FrameError as exc:
-                    reason, detail = Reason.BAD_HEADER, exc.detail
+                    self._table.authenticate(h)
+                    if self.coalesces and h.kind is Kind.DATA and h.aux > 1:
+                        # A run of pages whose payloads come as one message.
+                        nack = await self._serve_run(link, h, conn_id, progress, pending)
+                        if nack is not None:
+                            await self._send_reply(link, nack)
+                        continue
+                except FrameError as exc:  # malformed or unauthenticated: drop, close
+                    reason, detail = exc.reason, exc.detail
                     self.stats.frames_rejected[reason] += 1
                     await self._send_reply(link, nack_frame(_NO_RESERVATION, 0, reason, detail))
                     break
                 if h.kind is Kind.DATA:
                     slot, nack = self._table.check_data(h, conn_id)
                     if slot is None:
+                        self._check_drain(h, h.payload_len)
                         await self._drain(link, h.payload_len)
                     else:
-                        await self._recv_page(link, slot, h)
-                        nack = self._table.data_done(slot, h)
+                        landing = await self._recv_page(link, slot, h)
+                        if landing is None:
+                            nack = self._table.data_done(slot, h)
+                        else:
+                            pending.append(landing)
+                            nack = await self._settle(link, pending, self.receive_window)
                     if nack is not None:
                         await self._send_reply(link, nack)
                 elif h.kind is Kind.COMMIT:
-                    await self._send_reply(link, self._table.check_commit(h, conn_id))
+                    # Every page must have landed (and been checksummed) before the commit.
+                    nack = await self._settle(link, pending, 0)
+                    await self._send_reply(link, nack or self._table.check_commit(h, conn_id))
                 else:
                     reason, detail = Reason.BAD_HEADER, f"{h.kind.name} frame sent to a receiver"
                     break
@@ -229,7 +289,71 @@ class TransportCore(abc.ABC):
         finally:
             self._table.conn_lost(conn_id, reason, detail)
             self._links.pop(conn_id, None)
+            self._link_tasks.pop(conn_id, None)
             self._discard(link)
+
+    async def _serve_run(self, link: Any, h: FrameHeader, conn_id: int, progress: float,
+                         pending: collections.deque) -> bytes | None:
+        """A DATA header whose `aux` is k >= 2 (transports that coalesce): it and the next
+        k - 1 headers, all DATA with `aux` 0, are checked one by one as they come (the
+        first binds the reservation to this link); then their k payloads come as one
+        message, posted into the pages (`_recv_run`) or drained when any check failed.
+        FrameError when the run is malformed. Returns the first NACK, if any."""
+        if h.aux > self.receive_window:
+            raise FrameError(f"run of {h.aux} pages, at most {self.receive_window}")
+        run, checked = [h], [self._table.check_data(h, conn_id)]
+        for _ in range(h.aux - 1):
+            header = await self._recv_header(link, progress)
+            if header is None:
+                raise EOFError("stream ended inside a run of pages")
+            x = decode_header(header)
+            self._table.authenticate(x)
+            if x.kind is not Kind.DATA or x.aux != 0:
+                raise FrameError(f"{x.kind.name} frame (aux {x.aux}) inside a run of pages")
+            run.append(x)
+            checked.append(self._table.check_data(x, conn_id))
+        slot = checked[0][0]
+        nack = next((n for _, n in checked if n is not None), None)
+        if nack is not None or slot is None:
+            total = sum(x.payload_len for x in run)
+            if total > MAX_PAYLOAD:
+                raise FrameError(f"run of {total} payload bytes")
+            self._check_drain(h, total)
+            await self._drain(link, total)
+            return nack
+        pending.append(await self._recv_run(link, slot, run))
+        return await self._settle(link, pending, self.receive_window)
+
+    def _check_drain(self, h: FrameHeader, length: int) -> None:
+        """For transports that allocate what they drain (UCX): a rejected payload is drained
+        only up to a window of the pages of the reservation it names (live or recently
+        ended; else of the largest live one); a longer one ends the link (PEER_LOST)
+        instead of being allocated."""
+        if not self.drain_allocates:
+            return
+        allowed = self._table.page_bytes_for(h.reservation) * max(1, self.receive_window)
+        if length > allowed:
+            raise ConnectionAbortedError(f"rejected payload of {length} bytes, at most "
+                                         f"{allowed} may be drained")
+
+    async def _recv_run(self, link: Any, slot: Slot, run: list[FrameHeader]) -> Any:
+        """Post one receive for a checked run's payloads (transports that coalesce)."""
+        raise NotImplementedError
+
+    async def _settle(self, link: Any, pending: collections.deque, keep: int) -> bytes | None:
+        """Wait (oldest first) for posted page receives until at most `keep` are pending
+        (the transport checksums each page as it lands: `data_done`). Returns the first
+        NACK, if any."""
+        nack = None
+        while pending and (len(pending) > keep or pending[0].done()):
+            bad = await self._landed(link, pending.popleft())
+            nack = nack or bad
+        return nack
+
+    async def _landed(self, link: Any, landing: Any) -> bytes | None:
+        """Wait for a posted page receive (only transports whose `_recv_page` posts); its
+        result is `data_done`'s."""
+        raise NotImplementedError
 
     def _post_nack(self, conn_id: int, frame: bytes) -> None:
         """The receive table failed a live transfer (fence, deadline): tell its sender."""
@@ -295,6 +419,8 @@ class TransportCore(abc.ABC):
                                         f"{type(exc).__name__}: {exc}") from None
                 h, detail = reply.result()
             if h.kind is Kind.ACK and h.reservation == key and h.token_count == plan.num_tokens:
+                if not mac_ok(h, plan.key):
+                    raise TransferError(rid, Reason.UNAUTHENTICATED, "ACK MAC does not verify")
                 reusable = True
                 return
             if h.kind is Kind.NACK:
@@ -304,16 +430,17 @@ class TransportCore(abc.ABC):
             reply.cancel()
             await asyncio.gather(reply, return_exceptions=True)
             if reusable and not self._closed:
-                self._idle.setdefault(address, []).append(link)
+                self._idle.setdefault(address, []).append((link, time.monotonic()))
             else:
                 self._discard(link)
 
     async def _checkout(self, address: str, rid: str) -> Any:
         """An idle link to `address` that still looks usable, else a new one."""
         idle = self._idle.get(address, [])
+        fresh = time.monotonic() - self.header_timeout_s / 2  # the receiver may close older
         while idle:
-            link = idle.pop()
-            if self._reusable(link):
+            link, since = idle.pop()
+            if since > fresh and self._reusable(link):
                 return link
             self._discard(link)
         return await self._open(address, rid)
@@ -324,6 +451,8 @@ class TransportCore(abc.ABC):
             h = decode_header(header)
         except FrameError as exc:
             raise EOFError(f"malformed reply: {exc.detail}") from None
+        if h.kind not in (Kind.ACK, Kind.NACK):  # before any allocation the peer sized
+            raise EOFError(f"malformed reply: a {h.kind.name} frame")
         detail = b""
         if h.payload_len:
             detail = await self._recv_bytes(link, h.payload_len, self.progress_timeout_s)
@@ -339,8 +468,8 @@ class TransportCore(abc.ABC):
             if isinstance(item, Delay):
                 await asyncio.sleep(item.seconds)
                 continue
-            if reply.done():
-                return
+            if reply.done() and not (isinstance(item, Frame) and not item.header):
+                return  # (the rest of a frame whose header went out is always sent)
             if isinstance(item, Cut):
                 await self._cut(link, item)
                 raise ConnectionResetError("fault injected: stream cut")
@@ -360,12 +489,13 @@ class TransportCore(abc.ABC):
         self._table.close()
         if self._listener is not None:
             self._listener.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        while self._tasks:  # tasks ending may start others (UCX: watching torn-down links)
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         for links in self._idle.values():
-            for link in links:
+            for link, _ in links:
                 self._discard(link)
         for link in list(self._links.values()):
             self._discard(link)
@@ -397,8 +527,10 @@ class TransportCore(abc.ABC):
         ...
 
     @abc.abstractmethod
-    async def _recv_page(self, link: Any, slot: Slot, h: FrameHeader) -> None:
-        ...
+    async def _recv_page(self, link: Any, slot: Slot, h: FrameHeader) -> Any:
+        """Read a checked DATA payload into `slot.dest(h)` while the slot is live (None), or
+        post the receive and return a landing (a future, for `_landed`) that checks the
+        page with `data_done` when it has landed (pipelined transports)."""
 
     @abc.abstractmethod
     async def _send_reply(self, link: Any, frame: bytes) -> None:

@@ -23,14 +23,26 @@ class Reason(enum.IntEnum):
     BAD_HEADER = 12  # header malformed (magic, version, kind, header checksum, sizes)
     CLOSED = 13  # the local transport was closed
     INVALID_PLAN = 14  # the sender's plan / buffers are inconsistent (nothing was sent)
+    QUARANTINED = 15  # a write into the pages may still land: they must never be re-leased
+    UNAUTHENTICATED = 16  # a header's MAC does not verify under the live reservation's key
 
 
 class FrameError(ValueError):
-    """A frame header is malformed (the receiver answers with Reason.BAD_HEADER)."""
+    """A frame header is malformed (the receiver answers with Reason.BAD_HEADER and closes
+    the connection)."""
+
+    reason = Reason.BAD_HEADER
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
+
+
+class AuthError(FrameError):
+    """A header's MAC does not verify under the live reservation's key: the frame is
+    dropped and its connection closed; the reservation it names is not touched."""
+
+    reason = Reason.UNAUTHENTICATED
 
 
 class TransferError(Exception):

@@ -27,6 +27,8 @@ The frames of one transfer are numbered in order (DATA for page 0..n-1, then COM
     FaultPlan(duplicate={0})          # frame 0 sent twice
     FaultPlan(reorder=((1, 2),))      # frames 1 and 2 swapped
     FaultPlan(delay={1: 2.0})         # sleep 2 s before frame 1 (a stalled sender)
+    FaultPlan(stall_payload={1: 2.0})  # frame 1's header, 2 s, then its payload (a write
+                                       # the receiver has already accepted and posted)
     FaultPlan(rewrite={0: {"epoch": 7}})  # re-encode frame 0's header with other fields
     FaultPlan(corrupt_header={0})     # flip a header byte (header checksum fails)
     FaultPlan(truncate_after=5000)    # stop after 5000 bytes, close cleanly (FIN)
@@ -63,6 +65,7 @@ class FaultPlan:
     corrupt_header: frozenset[int] | set[int] = frozenset()
     rewrite: Mapping[int, Mapping[str, int | bytes]] = dataclasses.field(default_factory=dict)
     delay: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    stall_payload: Mapping[int, float] = dataclasses.field(default_factory=dict)
     truncate_after: int | None = None
     reset_after: int | None = None
 
@@ -77,6 +80,11 @@ class FaultPlan:
             if f.index in self.delay:
                 out.append(Delay(self.delay[f.index]))
             if f.index in self.drop:
+                continue
+            if f.index in self.stall_payload and len(f.payload):
+                # The header alone, a pause, then the payload alone (an empty header).
+                out += [Frame(f.index, f.header, b""), Delay(self.stall_payload[f.index]),
+                        Frame(f.index, b"", f.payload)]
                 continue
             out.append(f)
             if f.index in self.duplicate:
@@ -105,7 +113,7 @@ class FaultPlan:
         if f.index in self.rewrite:
             fields = decode_header(header)._asdict()
             fields.update(self.rewrite[f.index])
-            header = encode_header(**fields)
+            header = encode_header(**fields, key=f.key)
         if f.index in self.corrupt:
             copy = bytearray(payload)
             copy[self.corrupt[f.index] % len(copy)] ^= 0x01
@@ -114,7 +122,7 @@ class FaultPlan:
             copy = bytearray(header)
             copy[HEADER_SIZE // 2] ^= 0x40
             header = bytes(copy)
-        return Frame(f.index, header, payload)
+        return Frame(f.index, header, payload, f.key)
 
 
 class FaultInjectingTransport:

@@ -1,10 +1,18 @@
 """Binary frame header of the KV data plane, shared by every transport.
 
-One fixed 80-byte little-endian header precedes every payload:
+One fixed 96-byte little-endian header precedes every payload:
 
     magic 4s | version u8 | kind u8 | flags u16 | reservation 16s | epoch u64 | seq u32 |
     dest_page_id u32 | page_index u32 | token_count u32 | aux i64 | payload_len u64 |
-    payload_checksum u64 | header_checksum u64
+    payload_checksum u64 | mac 16s | header_checksum u64
+
+`mac` is HMAC-SHA256 (first 16 bytes) of the 72 body bytes under the reservation's key
+(`transfer_key()`: derived from the mesh secret, the reservation id and the epoch, so only
+admission, the chosen prefill and decode can compute it). The receiver verifies it against
+the live expectation's key before it acts on the header (no payload byte lands, no state
+changes otherwise); the COMMIT's body carries the digest of every page checksum, so its MAC
+covers every page digest. ACKs are MACed the same way; a NACK for a reservation the
+receiver does not hold cannot be (it changes nothing but the sender's own send).
 
 - DATA: one page; `token_count` = valid tokens in that page; payload = the page bytes.
 - COMMIT: `page_index` = pages sent, `token_count` = total prompt tokens, `aux` = first
@@ -18,12 +26,15 @@ core), so checking every page costs a few percent of a loopback transfer, and it
 or zero-heavy inputs, trivially collidable). crc32c would need a third-party package here
 and gives only 32 bits. The header itself carries an XXH3-64 of its first 72 bytes, so a
 flipped bit anywhere in the header (a page id, an epoch) is detected before it is trusted.
-This is integrity against faults, not authentication against a malicious peer.
+The header checksum is integrity against faults; the MAC is authentication against
+anyone who can reach the port without the key.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 import uuid
 from typing import NamedTuple
@@ -33,10 +44,12 @@ import xxhash
 from .errors import FrameError
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 _BODY = struct.Struct("<4sBBH16sQIIIIqQQ")
+MAC_SIZE = 16
 _CHECK = struct.Struct("<Q")
-HEADER_SIZE = _BODY.size + _CHECK.size  # 80
+HEADER_SIZE = _BODY.size + MAC_SIZE + _CHECK.size  # 96
+_KEY_LABEL = b"pdmesh-kv\x00"
 MAX_PAYLOAD = 1 << 31  # one page is far smaller; bounds scratch drains on a corrupt length
 MAX_NACK_DETAIL = 4096
 
@@ -61,6 +74,27 @@ class FrameHeader(NamedTuple):
     aux: int
     payload_len: int
     payload_checksum: int
+    mac: bytes = bytes(MAC_SIZE)
+
+
+def transfer_key(mesh_secret: str | bytes, reservation_id: str, epoch: int) -> bytes:
+    """The per-reservation data-plane key: HMAC-SHA256(mesh secret, label | reservation
+    id bytes | epoch). Admission, prefill and decode derive it from the secret they share."""
+    secret = mesh_secret.encode() if isinstance(mesh_secret, str) else bytes(mesh_secret)
+    msg = _KEY_LABEL + reservation_bytes(reservation_id) + struct.pack("<Q", epoch)
+    return hmac.digest(secret, msg, hashlib.sha256)
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.digest(key, body, hashlib.sha256)[:MAC_SIZE]
+
+
+def mac_ok(h: FrameHeader, key: bytes) -> bool:
+    """Whether a decoded header's MAC verifies under `key` (constant-time compare)."""
+    body = _BODY.pack(MAGIC, VERSION, int(h.kind), 0, h.reservation, h.epoch, h.seq,
+                      h.dest_page_id, h.page_index, h.token_count, h.aux, h.payload_len,
+                      h.payload_checksum)
+    return hmac.compare_digest(_mac(key, body), h.mac)
 
 
 def reservation_bytes(reservation_id: str) -> bytes:
@@ -87,12 +121,18 @@ def encode_header(
     aux: int = 0,
     payload_len: int = 0,
     payload_checksum: int = 0,
+    mac: bytes = b"",
+    *,
+    key: bytes = b"",
 ) -> bytes:
+    """One header, MACed under `key` (a given `mac`, e.g. from a decoded header's fields,
+    is ignored: the MAC is always computed)."""
     body = _BODY.pack(
         MAGIC, VERSION, int(kind), 0, reservation, epoch, seq, dest_page_id, page_index,
         token_count, aux, payload_len, payload_checksum,
     )
-    return body + _CHECK.pack(checksum(body))
+    signed = body + _mac(key, body)
+    return signed + _CHECK.pack(checksum(signed))
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
@@ -103,10 +143,11 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
         raise FrameError(f"header is not bytes-like: {type(data).__name__}") from exc
     if len(raw) != HEADER_SIZE:
         raise FrameError(f"header length {len(raw)} != {HEADER_SIZE}")
-    body = raw[: _BODY.size]
-    (declared,) = _CHECK.unpack_from(raw, _BODY.size)
-    if declared != checksum(body):
+    signed = raw[: _BODY.size + MAC_SIZE]
+    (declared,) = _CHECK.unpack_from(raw, _BODY.size + MAC_SIZE)
+    if declared != checksum(signed):
         raise FrameError("header checksum mismatch")
+    body = raw[: _BODY.size]
     (magic, version, kind, flags, reservation, epoch, seq, dest_page_id, page_index,
      token_count, aux, payload_len, payload_checksum) = _BODY.unpack(body)
     if magic != MAGIC:
@@ -128,7 +169,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     if kind is Kind.NACK and payload_len > MAX_NACK_DETAIL:
         raise FrameError("NACK detail too long")
     return FrameHeader(kind, reservation, epoch, seq, dest_page_id, page_index, token_count,
-                       aux, payload_len, payload_checksum)
+                       aux, payload_len, payload_checksum, raw[_BODY.size: _BODY.size + MAC_SIZE])
 
 
 def tokens_in_page(page_index: int, num_tokens: int, page_tokens: int) -> int:
@@ -136,7 +177,7 @@ def tokens_in_page(page_index: int, num_tokens: int, page_tokens: int) -> int:
 
 
 __all__ = [
-    "HEADER_SIZE", "MAGIC", "MAX_PAYLOAD", "VERSION", "FrameError", "FrameHeader", "Kind",
-    "checksum", "commit_digest", "decode_header", "encode_header", 
-    "reservation_bytes", "tokens_in_page",
+    "HEADER_SIZE", "MAC_SIZE", "MAGIC", "MAX_PAYLOAD", "VERSION", "FrameError", "FrameHeader",
+    "Kind", "checksum", "commit_digest", "decode_header", "encode_header", "mac_ok",
+    "reservation_bytes", "tokens_in_page", "transfer_key",
 ]

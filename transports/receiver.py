@@ -16,7 +16,7 @@ import time
 import uuid
 
 from .base import POISON_BYTE, EventCallback, ExpectedTransfer, TransferResult, TransportStats
-from .errors import Reason, TransferError
+from .errors import AuthError, Reason, TransferError
 from .framing import (
     MAX_NACK_DETAIL,
     FrameHeader,
@@ -24,6 +24,7 @@ from .framing import (
     checksum,
     commit_digest,
     encode_header,
+    mac_ok,
     reservation_bytes,
     tokens_in_page,
 )
@@ -47,11 +48,12 @@ class Slot:
         self.live = True
         self.next_index = 0
         self.next_seq = 0
-        self.page_checksums: list[int] = []
+        self.page_checksums: dict[int, int] = {}  # page index -> checksum of what landed
         self.touched: set[int] = set()  # page indexes that may hold bytes of this transfer
         self.conn_id: int | None = None
         self.writing = 0  # writes in flight that cannot be stopped (UCX posted recv)
         self.failure: TransferError | None = None  # decided but waiting for writes to end
+        self.quarantined = False  # a write whose end could not be established
         self.finalized = asyncio.Event()
         self.started = time.perf_counter()
         self.deadline_handle: asyncio.TimerHandle | None = None
@@ -68,7 +70,13 @@ class ReceiveTable:
         self.stats = stats
         self._on_event = on_event
         self._slots: dict[bytes, Slot] = {}
+        # Failed slots whose unstoppable writes have not ended yet. They stay known here
+        # (fence() waits for them) until the writes ended and the pages were poisoned.
+        self._draining: dict[bytes, Slot] = {}
+        # Slots with a write whose end is unknown: fence() raises QUARANTINED for them.
+        self._quarantined: collections.OrderedDict[bytes, Slot] = collections.OrderedDict()
         self._finished: collections.OrderedDict[bytes, Reason] = collections.OrderedDict()
+        self._finished_page_bytes: dict[bytes, int] = {}  # same keys as _finished
         self.nack_sink = None  # callable(conn_id, frame_bytes): post a NACK on a connection
 
     # -- registration ------------------------------------------------------------------
@@ -76,6 +84,8 @@ class ReceiveTable:
         key = reservation_bytes(target.reservation_id)
         if key in self._slots:
             raise ValueError(f"reservation {target.reservation_id} is already expected")
+        if key in self._draining or key in self._quarantined:
+            raise ValueError(f"reservation {target.reservation_id} still has a write in flight")
         if target.num_tokens <= 0 or target.page_tokens <= 0 or target.page_bytes <= 0:
             raise ValueError("num_tokens, page_tokens and page_bytes must be positive")
         if len(target.page_buffers) != len(target.page_ids):
@@ -88,16 +98,37 @@ class ReceiveTable:
             if view.readonly or view.nbytes != target.page_bytes:
                 raise ValueError(f"page buffers must be writable and {target.page_bytes} bytes")
         self._finished.pop(key, None)
+        self._finished_page_bytes.pop(key, None)
         self._slots[key] = slot
         slot.deadline_handle = loop.call_later(
             max(0.0, target.deadline_s), self.fail, slot, Reason.DEADLINE,
             f"no verified commit within {target.deadline_s}s")
         return slot.fut
 
+    def page_bytes_for(self, reservation: bytes) -> int:
+        """The page size of the named reservation, live or recently ended; for one this
+        table does not know, the largest page of any live transfer (0 when none is)."""
+        slot = self._slots.get(reservation)
+        if slot is not None:
+            return slot.target.page_bytes
+        known = self._finished_page_bytes.get(reservation)
+        if known is not None:
+            return known
+        return max((s.target.page_bytes for s in self._slots.values()), default=0)
+
     def bound_to(self, conn_id: int) -> bool:
         return any(s.conn_id == conn_id for s in self._slots.values())
 
     # -- frame checks (before any payload byte touches destination memory) --------------
+    def authenticate(self, h: FrameHeader) -> None:
+        """Raises AuthError when `h` names a live reservation and its MAC does not verify
+        under that reservation's key: nothing about the reservation changes (the caller
+        drops the frame and closes the connection). Frames naming no live reservation
+        cannot be verified; they change nothing either (answered with a NACK)."""
+        slot = self._slots.get(h.reservation)
+        if slot is not None and not mac_ok(h, slot.target.key):
+            raise AuthError(f"{h.kind.name} frame {h.seq}: MAC does not verify")
+
     def check_data(self, h: FrameHeader, conn_id: int) -> tuple[Slot | None, bytes | None]:
         slot = self._slots.get(h.reservation)
         if slot is None:
@@ -139,7 +170,7 @@ class ReceiveTable:
             detail = f"page {h.page_index} checksum {actual:#x} != {h.payload_checksum:#x}"
             self.fail(slot, Reason.BAD_CHECKSUM, detail, notify=False)
             return self._reject(h, Reason.BAD_CHECKSUM, detail)
-        slot.page_checksums.append(actual)
+        slot.page_checksums[h.page_index] = actual
         return None
 
     def check_commit(self, h: FrameHeader, conn_id: int) -> bytes:
@@ -158,7 +189,8 @@ class ReceiveTable:
         elif h.page_index != t.num_pages or len(slot.page_checksums) != t.num_pages:
             reason = Reason.INCOMPLETE
             detail = f"{len(slot.page_checksums)} of {t.num_pages} pages written"
-        elif h.payload_checksum != commit_digest(slot.page_checksums):
+        elif h.payload_checksum != commit_digest([slot.page_checksums[i]
+                                                   for i in range(t.num_pages)]):
             reason, detail = Reason.BAD_CHECKSUM, "commit digest mismatch"
         if reason is not Reason.OK:
             self.fail(slot, reason, detail, notify=False)
@@ -171,7 +203,8 @@ class ReceiveTable:
         if not slot.fut.done():
             slot.fut.set_result(result)
         self._event("committed", t.reservation_id, None)
-        return encode_header(Kind.ACK, h.reservation, h.epoch, token_count=t.num_tokens)
+        return encode_header(Kind.ACK, h.reservation, h.epoch, token_count=t.num_tokens,
+                             key=t.key)
 
     # -- failure paths -----------------------------------------------------------------
     def fail(self, slot: Slot, reason: Reason, detail: str = "", notify: bool = True) -> None:
@@ -187,15 +220,38 @@ class ReceiveTable:
         if slot.writing == 0:
             self._finalize(slot)
 
+    def write_started(self, slot: Slot) -> None:
+        """An unstoppable write (a posted receive) into the slot's pages begins."""
+        slot.writing += 1
+
     def write_ended(self, slot: Slot) -> None:
         """An unstoppable write (posted receive) into the slot's pages completed."""
+        if slot.quarantined:
+            return  # already finalized as QUARANTINED; its pages are never leased again
         slot.writing -= 1
         if slot.writing == 0 and slot.failure is not None and not slot.finalized.is_set():
             self._finalize(slot)
 
+    def write_unknown(self, slot: Slot, detail: str) -> None:
+        """The transport could not establish that a write into the slot's pages ended (the
+        receive neither completed nor was cancelled in time, even with its link torn
+        down). The slot fails QUARANTINED: its pages must never be leased again, and
+        `fence()` raises so that its owner keeps them out of the pool."""
+        slot.quarantined = True
+        if slot.live:
+            self.fail(slot, Reason.QUARANTINED, detail, notify=False)
+        slot.failure = TransferError(slot.target.reservation_id, Reason.QUARANTINED, detail)
+        slot.writing = 0
+        self._finalize(slot)
+        self._quarantined[slot.key] = slot
+        while len(self._quarantined) > _FINISHED_MEMORY:
+            self._quarantined.popitem(last=False)
+
     def _finalize(self, slot: Slot) -> None:
         err = slot.failure
         assert err is not None and slot.writing == 0
+        if self._draining.get(slot.key) is slot:
+            del self._draining[slot.key]
         poisoned = []
         for index in sorted(slot.touched):
             slot.views[index][:] = bytes([POISON_BYTE]) * slot.target.page_bytes
@@ -215,15 +271,20 @@ class ReceiveTable:
             slot.deadline_handle.cancel()
         if self._slots.get(slot.key) is slot:
             del self._slots[slot.key]
-        self._remember(slot.key, Reason.FENCED if reason is Reason.OK else reason)
+            if reason is not Reason.OK and slot.writing:
+                self._draining[slot.key] = slot
+        self._remember(slot.key, Reason.FENCED if reason is Reason.OK else reason,
+                       slot.target.page_bytes)
         if reason is Reason.OK:
             slot.finalized.set()
 
-    def _remember(self, key: bytes, reason: Reason) -> None:
+    def _remember(self, key: bytes, reason: Reason, page_bytes: int = 0) -> None:
         self._finished[key] = reason
         self._finished.move_to_end(key)
+        self._finished_page_bytes[key] = max(page_bytes, self._finished_page_bytes.get(key, 0))
         while len(self._finished) > _FINISHED_MEMORY:
-            self._finished.popitem(last=False)
+            old, _ = self._finished.popitem(last=False)
+            self._finished_page_bytes.pop(old, None)
 
     def _reject(self, h: FrameHeader, reason: Reason, detail: str) -> bytes:
         self.stats.frames_rejected[reason] += 1
@@ -231,13 +292,23 @@ class ReceiveTable:
         return nack_frame(h.reservation, h.epoch, reason, detail)
 
     async def fence(self, reservation_id: str) -> None:
+        """Fail the live slot (FENCED) and return only once no write into its pages can
+        still happen: a slot that already failed but still has a write in flight is waited
+        for too. Raises TransferError(QUARANTINED) when a write's end is unknown."""
         key = reservation_bytes(reservation_id)
         slot = self._slots.get(key)
-        if slot is None:
-            self._remember(key, Reason.FENCED)
-            return
-        self.fail(slot, Reason.FENCED, "fenced by the receiver")
+        if slot is not None:
+            self.fail(slot, Reason.FENCED, "fenced by the receiver")
+        else:
+            slot = self._draining.get(key) or self._quarantined.get(key)
+            if slot is None:
+                self._remember(key, Reason.FENCED)
+                return
         await slot.finalized.wait()
+        if slot.quarantined:
+            raise TransferError(reservation_id, Reason.QUARANTINED,
+                                "a write into these pages may still land: never lease them "
+                                "again", tuple(slot.target.page_ids))
 
     def conn_lost(self, conn_id: int, reason: Reason, detail: str) -> None:
         for slot in [s for s in self._slots.values() if s.conn_id == conn_id]:

@@ -10,6 +10,8 @@ idle connections are pooled per address. What TCP shares with UCX is in core.py.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import socket
 
 from ._sock import RawSocket, tune
@@ -19,7 +21,10 @@ from .errors import Reason, TransferError
 from .framing import HEADER_SIZE, FrameHeader
 from .receiver import Slot
 
+log = logging.getLogger(__name__)
+
 _SCRATCH_BYTES = 1 << 20
+_ACCEPT_BACKOFF_S = (0.01, 1.0)  # first and longest pause after a failed accept()
 _BATCH_BYTES = 8 << 20
 _BATCH_FRAMES = 128
 
@@ -65,11 +70,43 @@ class TcpTransport(TransportCore):
 
     # -- receiver ----------------------------------------------------------------------
     async def _accept_loop(self) -> None:
+        """Accept for ever: a failed accept (EMFILE, ENFILE, ENOBUFS, ...) is logged and
+        retried with back-off; meanwhile `accepting` is False (the service reports not
+        ready) until a descriptor can be had again."""
         loop = asyncio.get_running_loop()
+        pause = _ACCEPT_BACKOFF_S[0]
         while True:
-            sock, _ = await loop.sock_accept(self._listener)
-            tune(sock)
-            self._spawn(self._serve_link(RawSocket(sock)))
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                self.stats.accept_errors += 1
+                if self.accepting:
+                    log.warning("data plane %s cannot accept: %s; retrying", self.address, exc)
+                self.accepting = False
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, _ACCEPT_BACKOFF_S[1])
+                self._probe_descriptors()
+                continue
+            pause = _ACCEPT_BACKOFF_S[0]
+            if not self.accepting:
+                log.warning("data plane %s accepts again", self.address)
+            self.accepting = True
+            try:
+                tune(sock)
+                link = RawSocket(sock)
+            except OSError:
+                sock.close()
+                continue
+            self._spawn(self._serve_link(link))
+
+    def _probe_descriptors(self) -> None:
+        """After accept errors: ready again once a descriptor can be had (no connection may
+        be pending to prove it by an accept)."""
+        try:
+            os.close(os.dup(self._listener.fileno()))
+        except OSError:
+            return
+        self.accepting = True
 
     async def _recv_header(self, conn: RawSocket, progress_s: float | None) -> bytes | None:
         header = bytearray(HEADER_SIZE)
@@ -156,7 +193,7 @@ class TcpTransport(TransportCore):
         self.stats.frames_sent += sum(1 for b in batch if len(b) == HEADER_SIZE)
 
     async def _send_frame(self, conn: RawSocket, frame: Frame) -> None:
-        buffers = [frame.header, frame.payload] if len(frame.payload) else [frame.header]
+        buffers = [b for b in (frame.header, frame.payload) if len(b)]
         self.stats.bytes_sent += await conn.send_all(buffers, self.progress_timeout_s)
         self.stats.frames_sent += 1
 

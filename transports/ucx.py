@@ -3,36 +3,56 @@
 Same frames and the same receiver checks (`ReceiveTable`) as TCP; each frame is two tagged
 messages on the endpoint: the 80-byte header, then the page, which the receiver posts
 straight into the destination page (`np.frombuffer(view, np.uint8)`) after the header was
-checked. A posted UCX receive cannot be taken back, so the slot counts it as an
-unstoppable write: `fence()` and every failure wait for it to end before poisoning and
-reporting (and abort the endpoint when it stalls). UCX does not report a frozen peer
-(measured: 24 s+), so every wait during a transfer has our own progress timeout.
-What UCX shares with TCP is in core.py. Env vars: see transports/README.md (UCX_TLS,
-UCXPY_PROGRESS_MODE, ...).
+checked. At link speed: the sender posts every message of a transfer at once (UCX
+pipelines outstanding requests) and the receiver keeps up to `receive_window` page
+receives posted while it reads the next headers; each page is checksummed when it has
+landed, and the commit is checked only after every page landed. Pages that lie back to
+back in the sender's memory, for consecutive destination page ids, go as one message of up
+to 16 MiB: the run's first DATA header carries its length in `aux`, the receiver checks
+every header of the run (core.py `_serve_run`) and posts one receive, straight into the
+pages when they are adjacent in its memory, else into a buffer it copies from while the
+slot is live. Faults injected through the frame hook go one message per frame.
+
+Fencing: a posted UCX receive cannot be taken back, so the slot counts it as an
+unstoppable write; a failed slot with writes in flight stays known to the receive table
+until they ended, and `fence()` waits for them. A receive that makes no progress within
+`progress_timeout_s` tears the endpoint down (UCX then cancels the receive); one that is
+still neither complete nor cancelled `quarantine_s` later is declared unknown: the slot
+fails QUARANTINED and `fence()` raises, so the owner never leases those pages again.
+UCX does not report a frozen peer (measured: 24 s+), so every wait during a transfer has
+our own progress timeout. What UCX shares with TCP is in core.py. Env vars: see
+transports/README.md (UCX_TLS, UCXPY_PROGRESS_MODE, ...).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 
 import numpy as np
 
 from .base import EventCallback
 from .core import Cut, Frame, FrameFilter, TransportCore, parse_address, timed
 from .errors import Reason, TransferError
-from .framing import HEADER_SIZE, FrameHeader
+from .framing import HEADER_SIZE, FrameHeader, decode_header, encode_header
 from .receiver import Slot
+
+_RUN_BYTES = 16 << 20  # the most payload bytes one coalesced message carries
+_RUN_PAGES = 64
 
 ucx_import_error: Exception | None = None
 try:
     import ucxx as ucx
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag, TagMaskFull
 except ImportError as exc:  # pragma: no cover - depends on the install
     try:
         import ucp as ucx  # type: ignore[no-redef]
     except ImportError:
         ucx = None
         ucx_import_error = exc
+    Array = Tag = TagMaskFull = None  # type: ignore[assignment,misc]
 
 
 def _np(buf) -> np.ndarray:
@@ -44,6 +64,67 @@ def _abort(ep) -> None:
         ep.abort()
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _done(value) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
+
+
+def _address(view) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data
+
+
+def _span(views) -> np.ndarray | None:
+    """One array over views that lie back to back in memory, else None."""
+    start = _address(views[0])
+    pos = start
+    for view in views:
+        if _address(view) != pos:
+            return None
+        pos += view.nbytes
+    return np.frombuffer((ctypes.c_uint8 * (pos - start)).from_address(start), np.uint8)
+
+
+def _runs(frames: list[Frame]) -> list[list[Frame]]:
+    """DATA frames grouped into runs: payloads back to back in memory, destination page ids
+    consecutive, at most _RUN_BYTES and _RUN_PAGES a run; other frames alone."""
+    runs: list[list[Frame]] = []
+    end = -1
+    for frame in frames:
+        h = decode_header(frame.header) if len(frame.payload) else None
+        run = runs[-1] if runs else None
+        if (h is not None and run is not None and len(run) < _RUN_PAGES
+                and len(run[-1].payload) and _address(frame.payload) == end
+                and h.dest_page_id == decode_header(run[-1].header).dest_page_id + 1
+                and sum(len(f.payload) for f in run) + len(frame.payload) <= _RUN_BYTES):
+            run.append(frame)
+        else:
+            runs.append([frame])
+        end = _address(frame.payload) + len(frame.payload) if h is not None else -1
+    return runs
+
+
+def _posting(ep) -> bool:
+    """Whether requests can be posted on `ep` directly (UCXX), in order and without a
+    coroutine per message; ucx-py falls back to `ep.send` / `ep.recv`."""
+    return Array is not None and getattr(ep, "_ep", None) is not None
+
+
+def _post_send(ep, buf):
+    """Post a tagged send on the endpoint's message tag now; returns the request."""
+    return ep._ep.tag_send(Array(buf), Tag(ep._tags["msg_send"]))
+
+
+def _post_recv(ep, buf):
+    """Post a tagged receive into `buf` now; returns the request."""
+    return ep._ep.tag_recv(Array(buf), Tag(ep._tags["msg_recv"]), TagMaskFull)
+
+
 class UcxTransport(TransportCore):
     """KVTransport over UCX; see the module docstring. `frame_filter` is the test-only
     frame hook (core.py); only `FaultInjectingTransport` passes one."""
@@ -52,13 +133,24 @@ class UcxTransport(TransportCore):
     # UCX reports peer loss with its own exception types.
     _lost = (Exception,)
 
+    # Page receives kept posted while the next headers are read (64 MiB of 1 MiB pages).
+    receive_window = 64
+    drain_allocates = True  # a tagged message is received whole: drains are bounded first
+    # Runs of pages adjacent in the sender's memory, for adjacent destination page ids, go
+    # as one payload message (up to _RUN_BYTES); the receiver posts one receive for them.
+    coalesces = True
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 progress_timeout_s: float = 0.75, on_event: EventCallback | None = None,
+                 progress_timeout_s: float = 0.75, quarantine_s: float = 5.0,
+                 on_event: EventCallback | None = None,
                  frame_filter: FrameFilter | None = None) -> None:
         if ucx is None:
             raise RuntimeError(f"ucx transport unavailable: {ucx_import_error}")
         super().__init__(host, port, progress_timeout_s=progress_timeout_s,
                          on_event=on_event, frame_filter=frame_filter)
+        self.quarantine_s = quarantine_s
+        # The last posted page receive of each inbound endpoint (its landing task).
+        self._tail: dict[int, asyncio.Task] = {}
 
     async def start(self) -> str:
         if self._listener is None:
@@ -72,6 +164,7 @@ class UcxTransport(TransportCore):
 
     def _discard(self, ep) -> None:
         _abort(ep)
+        self._tail.pop(id(ep), None)
 
     # -- receiver ----------------------------------------------------------------------
     def _on_connect(self, ep):
@@ -87,22 +180,100 @@ class UcxTransport(TransportCore):
         await timed(ep.recv(np.empty(length, np.uint8)), self.progress_timeout_s)
         self.stats.bytes_drained += length
 
-    async def _recv_page(self, ep, slot: Slot, h: FrameHeader) -> None:
+    async def _recv_page(self, ep, slot: Slot, h: FrameHeader):
         if not slot.live:
             await timed(ep.recv(np.empty(h.payload_len, np.uint8)), self.progress_timeout_s)
-            return
+            return None
         dest = _np(slot.dest(h))
-        slot.writing += 1
+        if not _posting(ep):  # ucx-py: one awaited receive
+            self._table.write_started(slot)
+            try:
+                await timed(ep.recv(dest), self.progress_timeout_s)
+            except BaseException:
+                _abort(ep)
+                await asyncio.sleep(0)
+                raise
+            finally:
+                self._table.write_ended(slot)
+            return None
+        # Synchronous from the caller's check of the header to here: the slot is live when
+        # the receive is posted, and from now on it counts as an unstoppable write.
+        return self._post_landing(ep, slot, [h], dest)
+
+    async def _recv_run(self, ep, slot: Slot, run: list[FrameHeader]):
+        """One posted receive for a checked run of pages: straight into the pages when they
+        are adjacent in memory, else into a buffer copied into them once it landed (while
+        the slot is live)."""
+        views = [slot.dest(x) for x in run]
+        total = sum(v.nbytes for v in views)
+        span = _span(views)
+        if span is None or not _posting(ep):
+            buf = np.empty(total, np.uint8)
+            await self._wait_run(ep, buf)  # not into the pages: nothing to fence
+            if not slot.live:
+                return _done(None)
+            pos = 0
+            for view in views:
+                view[:] = buf[pos:pos + view.nbytes]
+                pos += view.nbytes
+            return _done(self._pages_done(slot, run))
+        return self._post_landing(ep, slot, run, span)
+
+    async def _wait_run(self, ep, buf) -> None:
+        await timed(ep.recv(buf), self.progress_timeout_s)
+
+    def _pages_done(self, slot: Slot, run: list[FrameHeader]) -> bytes | None:
+        nack = None
+        for x in run:
+            bad = self._table.data_done(slot, x)
+            nack = nack or bad
+        return nack
+
+    def _post_landing(self, ep, slot: Slot, run: list[FrameHeader], dest):
+        req = _post_recv(ep, dest)
+        self._table.write_started(slot)
+        task = self._spawn(self._land(ep, slot, run, req, self._tail.get(id(ep))))
+        task.add_done_callback(_retrieve)  # its error is the link reader's to report
+        self._tail[id(ep)] = task
+        return task
+
+    async def _land(self, ep, slot: Slot, run: list[FrameHeader], req,
+                    previous: asyncio.Task | None) -> bytes | None:
+        """Ends when the posted receive has ended, and checks its pages (`data_done`).
+        Bounded on its own, whatever the link's reader does: the page must land within
+        `progress_timeout_s` of the previous one, else the endpoint is torn down (UCX then
+        cancels the receive); a receive still not ended `quarantine_s` later is a write
+        whose end is unknown (the slot fails QUARANTINED)."""
+        wait = asyncio.ensure_future(req.wait())
         try:
-            await timed(ep.recv(dest), self.progress_timeout_s)
-        except BaseException:
-            # The posted receive may still be live inside UCX: tear the endpoint down so
-            # it is cancelled before the slot is poisoned and reported.
-            _abort(ep)
-            await asyncio.sleep(0)
+            if previous is not None:
+                await asyncio.wait({previous})
+            done, _ = await asyncio.wait({wait}, timeout=self.progress_timeout_s)
+            if not done:
+                _abort(ep)
+                done, _ = await asyncio.wait({wait}, timeout=self.quarantine_s)
+            if not done:
+                wait.cancel()
+                self._table.write_unknown(slot, f"posted receive for page {run[0].page_index} "
+                                          "neither completed nor cancelled")
+                raise TimeoutError(f"page {run[0].page_index}: no progress")
+            wait.result()  # UCX's error (cancelled, endpoint lost) means a lost peer
+            return self._pages_done(slot, run)
+        except asyncio.CancelledError:  # close(): the receive may still be live
+            if not wait.done():
+                _abort(ep)  # UCX cancels the receive; close() awaits this task
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({wait}, timeout=self.quarantine_s)
+            if not wait.done():
+                wait.cancel()
+                self._table.write_unknown(slot, "transport closed with a receive posted")
             raise
         finally:
-            self._table.write_ended(slot)
+            if wait.done():
+                self._table.write_ended(slot)
+
+    async def _landed(self, ep, landing: asyncio.Task) -> bytes | None:
+        return await asyncio.shield(landing)  # bounded by the landing itself
 
     async def _send_reply(self, ep, frame: bytes) -> None:
         """A reply frame: header message, then its payload message if any."""
@@ -117,7 +288,9 @@ class UcxTransport(TransportCore):
         except ValueError as exc:
             raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
         try:
-            return await timed(ucx.create_endpoint(host, port), 2 * self.progress_timeout_s)
+            # A first loopback connect on a loaded 2-core machine measured ~1 s.
+            return await timed(ucx.create_endpoint(host, port),
+                               max(2 * self.progress_timeout_s, 1.5))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - ucxx raises many kinds; all mean peer lost
@@ -137,6 +310,29 @@ class UcxTransport(TransportCore):
         # A UCX message cannot be cut mid-way: the peer sees the endpoint die.
         await self._send_buffers(ep, cut.whole)
         _abort(ep)
+
+    async def _stream(self, ep, frames, reply: asyncio.Task) -> None:
+        """Post every message of the transfer at once (UCX pipelines them), then wait for
+        them in order, each within the progress timeout."""
+        if not _posting(ep):
+            await self._emit(ep, frames, reply)
+            return
+        posted = []
+        for run in _runs(list(frames)):
+            headers = [f.header for f in run]
+            if len(run) > 1:  # the first header announces the run (`aux`)
+                first = decode_header(headers[0])._replace(aux=len(run))
+                headers[0] = encode_header(**first._asdict(), key=run[0].key)
+                payloads = [_span([f.payload for f in run])]
+            else:
+                payloads = [run[0].payload] if len(run[0].payload) else []
+            for buf in (*headers, *payloads):
+                array = _np(buf)
+                posted.append((array, _post_send(ep, array)))
+            self.stats.frames_sent += len(run)
+        for array, req in posted:
+            await timed(req.wait(), self.progress_timeout_s)
+            self.stats.bytes_sent += array.nbytes
 
     async def _send_buffers(self, ep, buffers) -> None:
         for buf in buffers:

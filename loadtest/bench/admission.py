@@ -7,7 +7,7 @@ real worker: a rejection must never reach one, invariant I1), then sends over-ca
 
   * admission decisions per second for rejections, with bounded concurrency;
   * rejection latency at concurrency 1: the client round trip, the service's own timer
-    (the value it observes into `pdmesh_admission_decision_seconds`, captured exactly), and
+    (the value it observes into `pdmesh:admission_decision_seconds`, captured exactly), and
     the quantiles read back from that histogram on the service's `/metrics`
     (bucket-interpolated, as Prometheus' histogram_quantile would).
 
@@ -302,7 +302,7 @@ async def run(nats_url: str, args: argparse.Namespace) -> dict[str, Any]:
         phases["throughput"] = await bench.run_phase("throughput", CASES, args.concurrency,
                                                      args.duration_s, 10**9)
         # 3. Latency at concurrency 1, with the service's histogram read back.
-        hist = "pdmesh_admission_decision_seconds"
+        hist = "pdmesh:admission_decision_seconds"
         before = parse_histogram(await bench.scrape(), hist, {"outcome": "rejected"})
         phases["latency"] = await bench.run_phase("latency", CASES, 1, args.latency_s, 10**9)
         after = parse_histogram(await bench.scrape(), hist, {"outcome": "rejected"})

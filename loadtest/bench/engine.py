@@ -1,24 +1,40 @@
-"""`pdmesh bench engine`: prefill and decode throughput, paged vs contiguous, check cost.
+"""`pdmesh bench engine`: prefill and decode speed against the machine's own roofline.
 
-Bounded (~30 s on 2 cores with `tiny`). With --json the last stdout line is one JSON object.
+In one run it measures the engine (paged prefill, paged decode at batch 1 and 16, the same
+decode on contiguous caches, the lease checks) and the floor it is judged against, with the
+same weights on the same machine:
+* `dense_forward_ms_b1` / `_b16`: a bare contiguous forward of 1 / 16 rows (embedding, every
+  layer's matmuls and norms, the lm_head; no attention, no KV cache, no paging, no tiles);
+* `dense_prefill_ms`: the same bare forward of all `--prompt-len` rows at once;
+* `weights_stream_ms`: reading every weight once (the memory-bandwidth floor of a step);
+and reports the ratios `decode_vs_dense_b1`, `decode_vs_dense_b16` (decode step time /
+dense forward time), `prefill_vs_dense` (and `prefill_vs_dense_4k` when the prompt is ~4k
+tokens), `paged_vs_contiguous_b1` / `_b16` and `lease_check_pct_of_step_b16`.
+Figures are medians of interleaved runs; `load_avg_1m_start` / `_end` say how busy the
+machine was. Bounded: ~20 s with `tiny`, ~2 min with `smollm2` on 2 cores.
+With --json the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pdmesh.kvstore.spec import pages_for
 from pdmesh.loadtest.bench import print_report
+from pdmesh.services.engine.config import ModelConfig
+from pdmesh.services.engine.model import ModelWeights, rms_norm
 from pdmesh.services.engine.models import load_model
 from pdmesh.services.engine.reference import ReferenceEngine
-from pdmesh.services.engine.runner import DecodeSlot, Engine, make_pool
+from pdmesh.services.engine.runner import DecodeSlot, Engine, PagedKV, make_pool
 
 
-def _best(fn, repeat: int) -> float:
+def _median(fn, repeat: int) -> float:
     """Median seconds of `fn()` over `repeat` runs (after one warm-up)."""
     fn()
     times = []
@@ -29,98 +45,165 @@ def _best(fn, repeat: int) -> float:
     return float(np.median(times))
 
 
+@torch.inference_mode()
+def dense_forward(config: ModelConfig, w: ModelWeights, token_ids: torch.Tensor) -> torch.Tensor:
+    """The roofline: one plain forward of all rows of `token_ids` with the model's weights
+    as loaded (one standard GEMM per weight matrix over all rows; no attention, no KV, no
+    per-row kernels, no tiles) and the logits of the last (at most 16) rows."""
+    x = w.embed[token_ids]
+    for layer in w.layers:
+        h = rms_norm(x, layer.attn_norm, config.norm_eps)
+        F.linear(h, layer.wk), F.linear(h, layer.wv)
+        x = x + F.linear(F.linear(h, layer.wq), layer.wo)
+        h = rms_norm(x, layer.ffn_norm, config.norm_eps)
+        x = x + F.linear(F.silu(F.linear(h, layer.w_gate)) * F.linear(h, layer.w_up),
+                         layer.w_down)
+    return F.linear(rms_norm(x[-16:], w.norm, config.norm_eps), w.lm_head)
+
+
+@torch.inference_mode()
+def weights_stream(w: ModelWeights) -> float:
+    """Read every weight once (a sum per tensor: memory-bound)."""
+    tensors = [w.embed, w.norm, w.lm_head]
+    for layer in w.layers:
+        tensors.extend(vars(layer).values())
+    seen, total = set(), 0.0
+    for t in tensors:
+        key = (t.data_ptr(), t.shape)
+        if key not in seen:
+            seen.add(key)
+            total += float(t.sum())
+    return total
+
+
 def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
-                    rng: np.random.Generator, vocab: int, ctx: int, steps: int
-                    ) -> dict[str, float]:
-    """Median decode-step seconds at `batch`, paged and contiguous (and, at 16, the cost of
-    the lease checks), over `ctx`-token contexts."""
-    pool = engine.pool
+                    dense_weights: ModelWeights, rng: np.random.Generator, vocab: int,
+                    ctx: int, steps: int) -> dict[str, float]:
+    """Median decode-step seconds at `batch`, paged and contiguous, and the dense forward
+    of `batch` rows, interleaved so load noise hits all three alike; at 16, the cost of
+    the lease checks. The contiguous caches get the paged prompt KV copied in (same bytes,
+    no second prefill)."""
+    pool, device = engine.pool, engine.pool.device
     leases, caches = [], []
     for i in range(batch):
         tokens = rng.integers(0, vocab, ctx).tolist()
         lease = pool.allocate(f"bench-{i}", ctx + 2 * steps + 4)
         engine.prefill(lease, tokens)
         cache = reference.new_cache(ctx + 2 * steps + 4)
-        reference.prefill(cache, tokens)
+        paged = PagedKV(pool, lease)
+        for layer in range(engine.config.n_layers):
+            keys, values = paged.read(layer, ctx)
+            cache.write(layer, 0, keys, values)
         leases.append(lease)
         caches.append(cache)
-    position = [ctx]
+    position, cposition = [ctx], [ctx]
+    dense_ids = torch.ones(batch, dtype=torch.long, device=device)
 
     def paged_step() -> None:
         engine.decode_step([DecodeSlot(lease, 1, position[0]) for lease in leases])
         position[0] += 1
 
-    cposition = [ctx]
-
     def contiguous_step() -> None:
         reference.decode(caches, [1] * batch, [cposition[0]] * batch)
         cposition[0] += 1
 
-    paged, contiguous = [], []
-    for _ in range(steps // 2):  # interleave so load noise hits both equally
-        paged.append(_best(paged_step, 1))
-        contiguous.append(_best(contiguous_step, 1))
+    paged, contiguous, dense = [], [], []
+    for _ in range(steps // 2):
+        paged.append(_median(paged_step, 1))
+        contiguous.append(_median(contiguous_step, 1))
+        dense.append(_median(lambda: dense_forward(engine.config, dense_weights, dense_ids), 1))
     results = {f"decode_step_s_b{batch}": float(np.median(paged)),
-               f"contiguous_step_s_b{batch}": float(np.median(contiguous))}
+               f"contiguous_step_s_b{batch}": float(np.median(contiguous)),
+               f"dense_forward_s_b{batch}": float(np.median(dense))}
     if batch == 16:
         def check_all() -> None:
             for lease in leases:
                 pool.check_writable(lease, position[0], 1)
                 pool.check_readable(lease, position[0])
 
-        results["check_s_b16"] = _best(check_all, 50)
+        results["check_s_b16"] = _median(check_all, 50)
     for lease in leases:
         pool.release(lease, "bench")
     return results
 
 
+def _reference_args(device: str, dtype: torch.dtype) -> dict:
+    """ReferenceEngine arguments; engines before issue 17 took no device dtype (the bench
+    also runs against them, to measure the "before" figures)."""
+    return {} if (device, dtype) == ("cpu", torch.float32) else {"device": device,
+                                                                  "dtype": dtype}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdmesh bench engine")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--prompt-len", type=int, default=4000)
     parser.add_argument("--context-len", type=int, default=512, help="tokens per decode request")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    load_start = os.getloadavg()[0]
 
     model = load_model(args.model)
     rng = np.random.default_rng(0)
     vocab = min(model.config.vocab_size, 256)
-    steps, ctx = args.steps, args.context_len
+    steps, ctx = max(args.steps, 2), args.context_len
     pages_per_req = pages_for(max(args.prompt_len, ctx + 2 * steps + 4), 16)
-    pool = make_pool(model, num_pages=pages_per_req * 17, page_tokens=16)
+    pool = make_pool(model, num_pages=pages_per_req * 17, page_tokens=16, device=args.device)
     engine = Engine(model, pool)
-    reference = ReferenceEngine(model)
+    reference = ReferenceEngine(model, **_reference_args(args.device, pool.spec.dtype))
 
-    # Prefill throughput.
+    # Prefill, against a dense forward of the same rows (one warm-up run each).
     prompt = rng.integers(0, vocab, args.prompt_len).tolist()
+    prompt_ids = torch.tensor(prompt, dtype=torch.long, device=pool.device)
+    dense_weights = model.weights
+    if (pool.device.type, pool.spec.dtype) != ("cpu", torch.float32):
+        dense_weights = model.weights.to(pool.device, pool.spec.dtype)
 
     def prefill_once() -> None:
         lease = pool.allocate("bench-prefill", len(prompt))
         engine.prefill(lease, prompt)
         pool.release(lease, "bench")
 
-    prefill_s = _best(prefill_once, 2)
+    prefill_s = _median(prefill_once, 1)
+    dense_prefill_s = _median(lambda: dense_forward(model.config, dense_weights, prompt_ids), 1)
+    stream_s = _median(lambda: weights_stream(dense_weights), 3)
 
-    # Decode at batch 1 and 16 on paged leases and on contiguous caches.
     results: dict[str, float] = {}
     for batch in (1, 16):
-        results.update(_decode_figures(batch, engine, reference, rng, vocab, ctx, steps))
+        results.update(_decode_figures(batch, engine, reference, dense_weights, rng, vocab,
+                                       ctx, steps))
     pool.check_integrity()
 
-    report = {
+    report: dict[str, object] = {
         "model": model.name,
+        "device": str(pool.device),
+        "dtype": str(pool.spec.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "prefill_tokens": args.prompt_len,
         "prefill_tokens_per_s": args.prompt_len / prefill_s,
         "decode_context_tokens": ctx,
         "decode_tokens_per_s_b1": 1 / results["decode_step_s_b1"],
         "decode_tokens_per_s_b16": 16 / results["decode_step_s_b16"],
+        "decode_step_ms_b1": 1000 * results["decode_step_s_b1"],
+        "decode_step_ms_b16": 1000 * results["decode_step_s_b16"],
+        "dense_forward_ms_b1": 1000 * results["dense_forward_s_b1"],
+        "dense_forward_ms_b16": 1000 * results["dense_forward_s_b16"],
+        "dense_prefill_ms": 1000 * dense_prefill_s,
+        "weights_stream_ms": 1000 * stream_s,
+        "decode_vs_dense_b1": results["decode_step_s_b1"] / results["dense_forward_s_b1"],
+        "decode_vs_dense_b16": results["decode_step_s_b16"] / results["dense_forward_s_b16"],
+        "prefill_vs_dense": prefill_s / dense_prefill_s,
         "paged_vs_contiguous_b1": results["contiguous_step_s_b1"] / results["decode_step_s_b1"],
         "paged_vs_contiguous_b16": results["contiguous_step_s_b16"]
         / results["decode_step_s_b16"],
         "lease_check_pct_of_step_b16": 100 * results["check_s_b16"] / results["decode_step_s_b16"],
     }
+    if 3900 <= args.prompt_len <= 4200:
+        report["prefill_vs_dense_4k"] = report["prefill_vs_dense"]
+    report["load_avg_1m_start"] = load_start
+    report["load_avg_1m_end"] = os.getloadavg()[0]
     print_report(report, args.json, decimals=3)
     return 0
 

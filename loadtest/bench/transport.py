@@ -3,7 +3,14 @@
 For payloads of 1, 16 and 64 MiB (1 MiB pages, checksums on) it measures each transport
 beside a raw baseline of the same bytes in the same run and the same process layout: plain
 non-blocking socket send/recv for tcp, a bare ucxx `send`/`recv` for ucx. Prints GB/s and
-the ratio; with --json the last stdout line is one JSON object.
+the ratio; with --json the last stdout line is one JSON object: per transport and size
+`transport_gbps`, `raw_gbps`, `ratio`, and for ucx also `perftest_gbps`, the native
+`ucx_perftest -t tag_bw` (shipped in the libucx wheel) for a message of the same size, run
+by the bench with the same `UCX_TLS` (null when the binary is not found), plus
+`vs_perftest` (transport_gbps / perftest_gbps) and the machine's load average. Frames are
+authenticated as in production (HMAC-SHA256 per header under a per-reservation key):
+`mac_us_per_frame` is what one frame's MAC costs (sign + verify, measured in this run)
+and each row's `mac_share` that cost over its whole transfer time.
 
 Layouts: `process` (default) receives in a child process
 (`pdmesh.loadtest.bench.transport_peer`), as decode receives from prefill, so sender and
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import hmac
 import json
 import os
 import socket
@@ -29,10 +37,17 @@ from types import ModuleType
 import numpy as np
 
 from pdmesh.transports import ExpectedTransfer, TransferPlan, make_transport
+from pdmesh.transports.framing import Kind, decode_header, encode_header, mac_ok, transfer_key
 
 SIZES_MIB = (1, 16, 64)
+UCX_KINDS = ("ucx", "nixl")  # transports over UCX: compared with native ucx_perftest
 PAGE_BYTES = 1 << 20
 PAGE_TOKENS = 16
+# Liveness is not what is measured: a first UCX connect on a loaded machine (all transports
+# probed when UCX_TLS is unset) can take longer than the production progress timeout.
+PROGRESS_S = 5.0
+# Frames are MACed as in production (per-reservation keys from a mesh secret).
+BENCH_SECRET = "pdmesh-bench-secret"
 
 
 async def _transport_once(payload: np.ndarray, dst: np.ndarray, pair) -> float:
@@ -40,11 +55,14 @@ async def _transport_once(payload: np.ndarray, dst: np.ndarray, pair) -> float:
     n = payload.shape[0]
     rid = uuid.uuid4().hex
     ids = tuple(range(n))
+    key = transfer_key(BENCH_SECRET, rid, 1)
     fut = receiver.expect(ExpectedTransfer(rid, 1, ids, [memoryview(p) for p in dst],
-                                           PAGE_BYTES, PAGE_TOKENS, n * PAGE_TOKENS, 60.0))
+                                           PAGE_BYTES, PAGE_TOKENS, n * PAGE_TOKENS, 60.0,
+                                           key=key))
     started = time.perf_counter()
     await sender.send(address, TransferPlan(rid, 1, ids, n * PAGE_TOKENS, PAGE_TOKENS,
-                                            PAGE_BYTES, 0, 60.0), [memoryview(p) for p in payload])
+                                            PAGE_BYTES, 0, 60.0, key=key),
+                      [memoryview(p) for p in payload])
     await fut
     return time.perf_counter() - started
 
@@ -134,7 +152,8 @@ async def _peer_transport_once(peer: _Peer, sender, payload: np.ndarray) -> floa
     await peer.command(f"expect {rid} {n}")
     started = time.perf_counter()
     await sender.send(peer.address, TransferPlan(rid, 1, tuple(range(n)), n * PAGE_TOKENS,
-                                                 PAGE_TOKENS, PAGE_BYTES, 0, 60.0),
+                                                 PAGE_TOKENS, PAGE_BYTES, 0, 60.0,
+                                                 key=transfer_key(BENCH_SECRET, rid, 1)),
                       [memoryview(p) for p in payload])
     return time.perf_counter() - started
 
@@ -163,6 +182,56 @@ async def _peer_raw_once(peer: _Peer, kind: str, payload: np.ndarray, ucx) -> fl
     return seconds
 
 
+def _perftest_binary() -> tuple[str, str] | None:
+    """(path of ucx_perftest, its library folder) from the libucx wheel, if installed."""
+    try:
+        import libucx
+    except ImportError:
+        return None
+    root = os.path.dirname(libucx.__file__)
+    binary = os.path.join(root, "bin", "ucx_perftest")
+    return (binary, os.path.join(root, "lib")) if os.access(binary, os.X_OK) else None
+
+
+async def _perftest_gbps(nbytes: int, repeat: int) -> float | None:
+    """Native UCX tag bandwidth for `nbytes` messages on loopback: an `ucx_perftest`
+    server and client, launched here with this process's UCX_TLS. GB/s, or None."""
+    found = _perftest_binary()
+    if found is None:
+        return None
+    binary, libdir = found
+    env = {**os.environ, "LD_LIBRARY_PATH": ":".join(
+        p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)}
+    with socket.socket() as probe:  # a free port for perftest's own rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    iters = str(max(8, repeat * (256 << 20) // nbytes))
+    common = ("-p", port, "-f", "-v")
+    server = await asyncio.create_subprocess_exec(
+        binary, *common, env=env, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL)
+    try:
+        for _ in range(50):  # the server needs a moment to listen
+            await asyncio.sleep(0.1)
+            client = await asyncio.create_subprocess_exec(
+                binary, "127.0.0.1", *common, "-t", "tag_bw", "-s", str(nbytes), "-n", iters,
+                "-w", "4", env=env, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL)
+            out, _ = await asyncio.wait_for(client.communicate(), 60)
+            if client.returncode == 0:
+                break
+        else:
+            return None
+    finally:
+        if server.returncode is None:
+            server.kill()
+        await server.wait()
+    # CSV: iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,...
+    # bandwidth in MB/s as UCX counts them (2**20 bytes).
+    rows = [line.split(",") for line in out.decode().splitlines() if line.strip()[:1].isdigit()]
+    return float(rows[-1][5]) * (1 << 20) / 1e9 if rows else None
+
+
 def _ucx_for(kind: str) -> ModuleType | None:
     """The ucxx module for `ucx` (an optional dependency, imported only when asked)."""
     if kind != "ucx":
@@ -182,11 +251,27 @@ async def _best_of(repeat: int, t_end: float, transport_once: Callable[[], Await
     """Fastest transport and raw seconds of `repeat` alternating runs (until `t_end`)."""
     best_t = best_raw = float("inf")
     for _ in range(repeat):
-        if time.monotonic() > t_end:
-            break
+        if time.monotonic() > t_end and best_t < float("inf"):
+            break  # out of budget, but every size gets one measured run
         best_t = min(best_t, await transport_once())
         best_raw = min(best_raw, await raw_once())
     return best_t, best_raw
+
+
+def mac_cost_us(frames: int = 20000) -> float:
+    """Microseconds one frame's authentication adds, both sides together: the sender's
+    HMAC over the header body and the receiver's verification (measured in this run)."""
+    key = transfer_key(BENCH_SECRET, uuid.uuid4().hex, 1)
+    raw = encode_header(Kind.DATA, bytes(16), 1, payload_len=PAGE_BYTES, payload_checksum=1,
+                        key=key)
+    h = decode_header(raw)
+    body = raw[:72]
+    started = time.perf_counter()
+    for _ in range(frames):
+        hmac.digest(key, body, "sha256")
+        if not mac_ok(h, key):
+            raise AssertionError("MAC does not verify")
+    return (time.perf_counter() - started) / frames * 1e6
 
 
 def _row(kind: str, mib: int, layout: str, nbytes: int, best_t: float,
@@ -197,13 +282,20 @@ def _row(kind: str, mib: int, layout: str, nbytes: int, best_t: float,
     return row
 
 
+async def _add_perftest(row: dict, kind: str, nbytes: int, repeat: int) -> None:
+    if kind in UCX_KINDS:
+        gbps = await _perftest_gbps(nbytes, repeat)
+        row["perftest_gbps"] = gbps
+        row["vs_perftest"] = row["transport_gbps"] / gbps if gbps else None
+
+
 async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[dict]:
     t_end = time.monotonic() + budget_s
     results = []
     for kind in kinds:
         ucx = _ucx_for(kind)
         peer = await _Peer.start(kind)
-        sender = make_transport(kind)
+        sender = make_transport(kind, progress_timeout_s=PROGRESS_S)
         await sender.start()
         try:
             for mib in SIZES_MIB:
@@ -214,6 +306,7 @@ async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[d
                     repeat, t_end, functools.partial(_peer_transport_once, peer, sender, payload),
                     functools.partial(_peer_raw_once, peer, kind, payload, ucx))
                 results.append(_row(kind, mib, "process", payload.nbytes, best_t, best_raw))
+                await _add_perftest(results[-1], kind, payload.nbytes, repeat)
         finally:
             await sender.close()
             await peer.stop()
@@ -223,10 +316,16 @@ async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[d
 async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> dict:
     results = (await _run_process(kinds, repeat, budget_s) if layout == "process"
                else await _run_loop(kinds, repeat, budget_s))
+    mac_us = mac_cost_us()
+    for row in results:  # what authenticating its frames costs, as a share of the transfer
+        frames = row["mib"] * (1 << 20) // PAGE_BYTES + 1
+        row["mac_share"] = frames * mac_us * 1e-6 / (row["mib"] * (1 << 20)
+                                                     / (row["transport_gbps"] * 1e9))
     return {"bench": "transport", "layout": layout, "page_bytes": PAGE_BYTES,
-            "checksum": "xxh3_64", "ucx_tls": os.environ.get("UCX_TLS", ""),
+            "checksum": "xxh3_64", "mac": "hmac_sha256_128", "mac_us_per_frame": mac_us,
+            "ucx_tls": os.environ.get("UCX_TLS", ""),
             "ucxpy_progress_mode": os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
-            "results": results}
+            "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "results": results}
 
 
 async def _run_loop(kinds: list[str], repeat: int, budget_s: float) -> list[dict]:
@@ -234,7 +333,8 @@ async def _run_loop(kinds: list[str], repeat: int, budget_s: float) -> list[dict
     results = []
     for kind in kinds:
         ucx = _ucx_for(kind)
-        receiver, sender = make_transport(kind), make_transport(kind)
+        receiver, sender = (make_transport(kind, progress_timeout_s=PROGRESS_S)
+                            for _ in range(2))
         pair = (receiver, sender, await receiver.start())
         await sender.start()
         try:
@@ -249,6 +349,7 @@ async def _run_loop(kinds: list[str], repeat: int, budget_s: float) -> list[dict
                     raw_once)
                 assert (dst == payload).all()
                 results.append(_row(kind, mib, "loop", payload.nbytes, best_t, best_raw))
+                await _add_perftest(results[-1], kind, payload.nbytes, repeat)
         finally:
             await sender.close()
             await receiver.close()
@@ -272,10 +373,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping ucx: {ucx_import_error}", file=sys.stderr)
             kinds.remove("ucx")
     report = asyncio.run(_run(kinds, args.repeat, args.budget_s, args.layout))
-    print(f"{'transport':>9} {'MiB':>4} {'GB/s':>7} {'raw GB/s':>9} {'ratio':>6}")
+    print(f"{'transport':>9} {'MiB':>4} {'GB/s':>7} {'raw GB/s':>9} {'ratio':>6} "
+          f"{'perftest':>9}")
     for row in report["results"]:
+        perftest = row.get("perftest_gbps")
         print(f"{row['transport']:>9} {row['mib']:>4} {row['transport_gbps']:7.2f} "
-              f"{row['raw_gbps']:9.2f} {row['ratio']:6.2f}")
+              f"{row['raw_gbps']:9.2f} {row['ratio']:6.2f} "
+              f"{'' if perftest is None else f'{perftest:9.2f}'}")
     if args.json:
         print(json.dumps(report))
     return 0

@@ -23,8 +23,10 @@ import sys
 import numpy as np
 
 from pdmesh.transports import ExpectedTransfer, make_transport
+from pdmesh.transports.framing import transfer_key
 
 PAGE_BYTES = 1 << 20
+BENCH_SECRET = "pdmesh-bench-secret"  # as in transport.py (frames MACed as in production)
 PAGE_TOKENS = 16
 MAX_PAGES = 64
 
@@ -33,7 +35,7 @@ async def _serve(kind: str) -> None:
     loop = asyncio.get_running_loop()
     dst = np.zeros((MAX_PAGES, PAGE_BYTES), np.uint8)
     views = [memoryview(p) for p in dst]
-    receiver = make_transport(kind)
+    receiver = make_transport(kind, progress_timeout_s=5.0)  # as the bench's sender
     address = await receiver.start()
     raw_expected: asyncio.Queue[int] = asyncio.Queue()
     pending: set[asyncio.Future] = set()
@@ -73,9 +75,9 @@ async def _serve(kind: str) -> None:
         while line := (await reader.readline()).decode().split():
             if line[0] == "expect":
                 n = int(line[2])
-                fut = receiver.expect(ExpectedTransfer(line[1], 1, tuple(range(n)), views[:n],
-                                                       PAGE_BYTES, PAGE_TOKENS,
-                                                       n * PAGE_TOKENS, 60.0))
+                fut = receiver.expect(ExpectedTransfer(
+                    line[1], 1, tuple(range(n)), views[:n], PAGE_BYTES, PAGE_TOKENS,
+                    n * PAGE_TOKENS, 60.0, key=transfer_key(BENCH_SECRET, line[1], 1)))
                 pending.add(fut)
                 fut.add_done_callback(pending.discard)
             elif line[0] == "raw":

@@ -84,6 +84,18 @@ def prefill_cost(prompt_len: int, worker: WorkerView) -> int:
     return (worker.queue_depth + 1) * prompt_len - cached
 
 
+def context_rejection(prompt_len: int, max_tokens: int, context: int) -> Rejected | None:
+    """The rejection of a request longer than the served `context` (None when it fits);
+    the gateway applies it too, before any control message is sent."""
+    total = prompt_len + max_tokens
+    if total <= context:
+        return None
+    return Rejected(Code.CONTEXT_LENGTH_EXCEEDED,
+                    f"This model's maximum context length is {context} tokens. However, "
+                    f"you requested {total} tokens ({prompt_len} in the prompt, "
+                    f"{max_tokens} for the completion).", limit=context)
+
+
 def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
            decodes: list[WorkerView]) -> Admitted | Rejected:
     """Admit to the least-loaded pair that can hold the request now, or reject with a reason.
@@ -104,11 +116,9 @@ def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
     total = prompt_len + max_tokens
     # Decode holds prompt + every generated token; prefill holds the prompt.
     context = max(max(d.served_context for d in decodes), 0)
-    if total > context:
-        return Rejected(Code.CONTEXT_LENGTH_EXCEEDED,
-                        f"This model's maximum context length is {context} tokens. However, "
-                        f"you requested {total} tokens ({prompt_len} in the prompt, "
-                        f"{max_tokens} for the completion).", limit=context)
+    over = context_rejection(prompt_len, max_tokens, context)
+    if over is not None:
+        return over
     prefill_ok = [p for p in prefills if not prefill_refusal(
         prompt_len, p.capacity_tokens, p.page_tokens, p.served_context)]
     if not prefill_ok:

@@ -1,6 +1,9 @@
 """Live capacity registry: the workers admission may use, fed only by their heartbeats.
 
-A worker that stops heartbeating leaves the registry after `ttl_s`. Admission reads live
+A worker that stops heartbeating leaves the registry after `ttl_s`. A decode worker whose
+advertised data address a prefill could not connect to (`set_aside`) is left out of routing
+while it keeps that address, for `UNREACHABLE_COOLDOWN_S` (then it is tried again: the
+network may have healed); a new address ends the exclusion at once. Admission reads live
 capacity from here, never from configuration (invariant I5). Between heartbeats admission
 charges its own reservations against the cached free figure (and queue depth) so a burst of
 requests does not all pick the same worker on a stale view.
@@ -22,6 +25,8 @@ from pdmesh.kvstore.spec import pages_for
 from pdmesh.services import messages as m
 from pdmesh.services.admission.policy import WorkerView
 
+UNREACHABLE_COOLDOWN_S = 30.0
+
 
 @dataclass
 class _Entry:
@@ -39,6 +44,24 @@ class CapacityRegistry:
     def __init__(self, ttl_s: float) -> None:
         self._ttl_s = ttl_s
         self._workers: dict[tuple[m.Role, str], _Entry] = {}
+        # worker id -> (data address found unreachable, until when it stays set aside)
+        self._set_aside: dict[str, tuple[str, float]] = {}
+
+    def set_aside(self, worker_id: str, data_address: str, now: float | None = None,
+                  cooldown_s: float = UNREACHABLE_COOLDOWN_S) -> None:
+        """A peer could not reach `data_address` of `worker_id`: route around it."""
+        now = time.monotonic() if now is None else now
+        self._set_aside[worker_id] = (data_address, now + cooldown_s)
+
+    def is_set_aside(self, beat: m.Heartbeat, now: float) -> bool:
+        entry = self._set_aside.get(beat.worker_id)
+        if entry is None:
+            return False
+        address, until = entry
+        if now >= until or beat.data_address != address:
+            del self._set_aside[beat.worker_id]
+            return False
+        return True
 
     def observe(self, beat: m.Heartbeat, now: float | None = None) -> None:
         """Record a heartbeat; a draining worker leaves at once."""
@@ -68,7 +91,9 @@ class CapacityRegistry:
         """Live views of one role's workers; with `cache_salt` and `prompt_ids`, each
         prefill view says how much of this prompt its prefix cache holds for that salt."""
         self.expire(now)
-        entries = [e for e in self._workers.values() if e.beat.role is role]
+        now = time.monotonic() if now is None else now
+        entries = [e for e in self._workers.values()
+                   if e.beat.role is role and not self.is_set_aside(e.beat, now)]
         cached = self._cached_prefixes(entries, cache_salt, prompt_ids)
         out = []
         for e in entries:

@@ -46,18 +46,18 @@ class AdmissionService:
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
         self._capacity_changed = asyncio.Event()
         r = self.rt.registry
-        self.decisions = Counter("pdmesh_admission_decisions_total", "Admission decisions",
+        self.decisions = Counter("pdmesh:admission_decisions_total", "Admission decisions",
                                  ["outcome"], registry=r)
-        self.rejections = Counter("pdmesh_rejections_total", "Rejections by reason",
+        self.rejections = Counter("pdmesh:rejections_total", "Rejections by reason",
                                   ["reason"], registry=r)
-        self.tickets_issued = Counter("pdmesh_tickets_issued_total", "Signed tickets",
+        self.tickets_issued = Counter("pdmesh:tickets_issued_total", "Signed tickets",
                                       registry=r)
-        self.reservations = Counter("pdmesh_admission_reservations_total",
+        self.reservations = Counter("pdmesh:admission_reservations_total",
                                     "Reservation attempts by outcome", ["outcome"], registry=r)
-        self.dispatches = Counter("pdmesh_dispatches_total", "Prefill dispatches sent",
+        self.dispatches = Counter("pdmesh:dispatches_total", "Prefill dispatches sent",
                                   registry=r)
         self.decision_seconds = Histogram(
-            "pdmesh_admission_decision_seconds", "Time to answer a submit",
+            "pdmesh:admission_decision_seconds", "Time to answer a submit",
             ["outcome"], registry=r,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
 
@@ -69,6 +69,9 @@ class AdmissionService:
                            concurrent=False)
         await rt.subscribe(m.SUBMIT_SUBJECT, m.SubmitRequest, self._on_submit,
                            queue="admission")
+        # Every admission instance hears these (no queue group): each keeps its own registry.
+        await rt.subscribe(m.UNREACHABLE_SUBJECT, m.DataPlaneUnreachable, self._on_unreachable,
+                           concurrent=False)
         await rt.serve_stats(self._stats)
         rt.every(self.cfg.heartbeat_s, self._expire, "expire-workers")
         rt.mark_ready()
@@ -76,6 +79,11 @@ class AdmissionService:
     async def _expire(self) -> None:
         for w in self.registry.expire():
             log.warning("worker %s stopped heartbeating; removed from the registry", w)
+
+    async def _on_unreachable(self, report: m.DataPlaneUnreachable, _msg: Msg) -> None:
+        log.warning("worker %s set aside: %s cannot reach its data plane at %s (%s)",
+                    report.worker_id, report.reporter, report.data_address, report.detail)
+        self.registry.set_aside(report.worker_id, report.data_address)
 
     async def _on_heartbeat(self, beat: m.Heartbeat, _msg: Msg) -> None:
         if beat.role in (m.Role.PREFILL, m.Role.DECODE):
@@ -201,7 +209,9 @@ class AdmissionService:
         self.registry.charge(m.Role.PREFILL, prefill.worker_id, len(req.prompt_ids))
         await self.rt.publish(m.dispatch_subject(prefill.worker_id), m.PrefillDispatch(
             ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
-            reservation=res.reservation), headers=self.policy.dispatch_headers(headers))
+            reservation=res.reservation,
+            grant=tickets.grant(self.cfg.mesh_secret, ticket, req.prompt_ids, res.reservation)),
+            headers=self.policy.dispatch_headers(headers))
         self.dispatches.inc()
         self.decisions.labels("admitted").inc()
         return m.Admitted(request_id=req.request_id, decode_worker=decode.worker_id,

@@ -24,8 +24,7 @@ from pdmesh.services.config import ServiceConfig
 from pdmesh.services.decode.service import DecodeRequest, DecodeService
 from pdmesh.services.errors import TicketError
 from pdmesh.services.lifecycle import RequestState
-from pdmesh.services.prefill.service import sampler_for
-from pdmesh.services.tickets import TicketVerifier
+from pdmesh.services.tickets import TicketVerifier, verify_grant
 from pdmesh.services.worker import run_worker
 
 log = logging.getLogger("pdmesh.colocated")
@@ -63,6 +62,7 @@ class LocalPrefill:
         dreq = svc.requests.get(d.ticket.request_id)
         try:
             self.verifier.verify(d.ticket, prompt_len=len(d.prompt_ids))
+            verify_grant(svc.cfg.mesh_secret, d)
         except TicketError as exc:
             svc.ticket_refusals.labels(exc.reason.split(" ")[0]).inc()
             if dreq is not None:
@@ -100,7 +100,7 @@ class LocalPrefill:
             if lease is not None:  # ended during the prefill (or by it)
                 await svc.conclude(dreq, lease)
                 continue
-            first = sampler_for(d.sampling, d.ticket.max_tokens).sample(logits)
+            first = dreq.sampler.sample(logits)  # the request's one sampler (index 0)
             await svc.start_decoding(dreq, first)
 
 

@@ -35,12 +35,13 @@ from pdmesh.services.capacity import decode_refusal
 from pdmesh.services.config import ServiceConfig
 from pdmesh.services.decode.scheduler import DecodeScheduler
 from pdmesh.services.engine.runner import DecodeSlot
-from pdmesh.services.engine.sampling import Sampler, SamplingParams
+from pdmesh.services.engine.sampling import Sampler
 from pdmesh.services.errors import TicketError
 from pdmesh.services.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime import counter_total
 from pdmesh.services.worker import WorkerBase, run_worker
 from pdmesh.transports import ExpectedTransfer, KVTransport, TransferError, TransferResult
+from pdmesh.transports.framing import transfer_key
 
 log = logging.getLogger("pdmesh.decode")
 
@@ -124,7 +125,8 @@ class TransportIntake:
             reservation_id=dreq.reservation_id, epoch=dreq.lease.epoch, page_ids=page_ids,
             page_buffers=[svc.pool.page_buffer(dreq.lease, i) for i in range(len(page_ids))],
             page_bytes=spec.bytes_per_page, page_tokens=spec.page_tokens,
-            num_tokens=dreq.ticket.prompt_len, deadline_s=svc.cfg.transfer_deadline_s)
+            num_tokens=dreq.ticket.prompt_len, deadline_s=svc.cfg.transfer_deadline_s,
+            key=transfer_key(svc.cfg.mesh_secret, dreq.reservation_id, dreq.lease.epoch))
         fut = svc.transport.expect(target)
         dreq.transfer_task = svc.rt.spawn(svc.await_transfer(dreq, fut),
                                           f"transfer:{dreq.request_id}")
@@ -144,13 +146,13 @@ class DecodeService(WorkerBase):
         self.prefill_seen: dict[str, float] = {}  # prefill worker -> last heartbeat
         self._work = asyncio.Event()
         r = self.rt.registry
-        self.reservations = Counter("pdmesh_reservations_total", "Decode reservations",
+        self.reservations = Counter("pdmesh:reservations_total", "Decode reservations",
                                     ["outcome"], registry=r)
-        self.transfers = Counter("pdmesh_transfers_total", "KV transfers received",
+        self.transfers = Counter("pdmesh:transfers_total", "KV transfers received",
                                  ["outcome"], registry=r)
-        self.releases = Counter("pdmesh_releases_total", "Leases freed by cause", ["cause"],
+        self.releases = Counter("pdmesh:releases_total", "Leases freed by cause", ["cause"],
                                 registry=r)
-        self.tokens_out = Counter("pdmesh_generated_tokens_total", "Tokens generated",
+        self.tokens_out = Counter("pdmesh:generated_tokens_total", "Tokens generated",
                                   registry=r)
 
     async def subscribe(self) -> None:
@@ -171,6 +173,11 @@ class DecodeService(WorkerBase):
         """Fail reservations whose prefill worker stopped heartbeating (killed, frozen,
         partitioned) instead of holding the pages until the transfer deadline (I6)."""
         now = time.monotonic()
+        # Forget prefills not heard of within the TTL: the map stays bounded by the live
+        # prefills (a forgotten one counts from the reservation, which decides the same).
+        for worker_id in [w for w, t in self.prefill_seen.items()
+                          if now - t > self.cfg.worker_ttl_s]:
+            del self.prefill_seen[worker_id]
         for dreq in list(self.requests.values()):
             if dreq.state is not RequestState.RESERVED:
                 continue
@@ -215,16 +222,16 @@ class DecodeService(WorkerBase):
         if t.request_id in self.requests:
             return self._refuse(t, "refused", m.Code.RESERVE_FAILED, "duplicate request id")
         try:
+            sampler = Sampler.for_request(req.sampling, t.max_tokens,
+                                          self.model.tokenizer.eos_token_ids)
+        except ValueError as exc:  # the gateway validates; a bad Sampling still harms none
+            return self._refuse(t, "refused", m.Code.REFUSED, f"bad sampling: {exc}")
+        try:
             lease = self.pool.allocate(t.request_id, t.prompt_len + t.max_tokens)
         except PoolExhaustedError as exc:
             return self._refuse(t, "pool_full", m.Code.RESERVE_FAILED, str(exc))
         dreq = DecodeRequest(ticket=t, lease=lease,
-                             reservation_id=lease.lease_id,
-                             sampler=Sampler(SamplingParams(
-                                 temperature=req.sampling.temperature,
-                                 top_p=req.sampling.top_p, seed=req.sampling.seed,
-                                 max_tokens=t.max_tokens)))
-        dreq.sampler.skip(1)  # prefill samples the first token
+                             reservation_id=lease.lease_id, sampler=sampler)
         self.requests[t.request_id] = dreq
         self.intake.expect(self, dreq)
         self.reservations.labels("ok").inc()
@@ -253,6 +260,15 @@ class DecodeService(WorkerBase):
                 code=m.Code.TRANSFER_FAILED, detail=f"commit of {result.num_tokens} tokens, "
                 f"expected {dreq.ticket.prompt_len}"))
             return
+        vocab = self.model.tokenizer.vocab_size
+        if not 0 <= result.first_token < vocab:
+            # Checked here, before it can reach a batch: a bad id would fail the whole
+            # decode step (other tenants' requests included) or wrap around silently.
+            self.transfers.labels("bad_first_token").inc()
+            await self.end(dreq, m.Outcome(
+                code=m.Code.TRANSFER_FAILED,
+                detail=f"first token id {result.first_token} outside 0..{vocab - 1}"))
+            return
         page = self.pool.spec.page_tokens
         remaining = result.num_tokens
         for i in range(len(result.pages_written)):
@@ -277,12 +293,13 @@ class DecodeService(WorkerBase):
         dreq.generated.append(token)
         self.tokens_out.inc()
         finish: m.Outcome | None = None
-        if token in self.model.tokenizer.eos_token_ids:
+        if dreq.sampler.accept(token):  # eos (unless ignore_eos) or a stop_token_id
             finish = m.FINISHED_STOP
         elif len(dreq.generated) >= dreq.ticket.max_tokens:
             finish = m.FINISHED_LENGTH
         event = m.TokenEvent(request_id=dreq.request_id, seq=dreq.seq, token_ids=[token],
-                             finish=finish, prompt_tokens=dreq.ticket.prompt_len)
+                             finish=finish, prompt_tokens=dreq.ticket.prompt_len,
+                             logprobs=dreq.sampler.take_logprobs(token))
         dreq.seq += 1
         lease = dreq.finish(finish) if finish is not None else None
         if lease is not None:
@@ -344,10 +361,19 @@ class DecodeService(WorkerBase):
         self.scheduler.discard(dreq)
         # Fence before the pages can be leased again: after this no late frame for this
         # reservation can land in them (the next lease of the same pages is safe).
-        await self.transport.fence(dreq.reservation_id)
+        try:
+            await self.transport.fence(dreq.reservation_id)
+            quarantine = ""
+        except TransferError as exc:  # a write may still land: never lease these pages again
+            quarantine = str(exc)
         if dreq.transfer_task is not None and dreq.transfer_task is not asyncio.current_task():
             dreq.transfer_task.cancel()
-        self.pool.release(lease, outcome.label)
+        if quarantine:
+            log.error("lease of %s quarantined (%d pages out of service): %s",
+                      dreq.request_id, dreq.lease.num_pages, quarantine)
+            self.pool.quarantine(lease, outcome.label)
+        else:
+            self.pool.release(lease, outcome.label)
         self.releases.labels(outcome.label).inc()
         self.requests.pop(dreq.request_id, None)
         await self._tell(event or m.StreamFailed(request_id=dreq.request_id, outcome=outcome))

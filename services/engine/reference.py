@@ -14,13 +14,14 @@ from pdmesh.services.engine.sampling import Sampler, SamplingParams
 
 
 class ReferenceEngine:
-    def __init__(self, model: LoadedModel, device: str = "cpu") -> None:
+    def __init__(self, model: LoadedModel, device: str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
         self.loaded = model
         self.config = model.config
-        self.model = LlamaModel(model.config, model.weights, device=device)
+        self.model = LlamaModel(model.config, model.weights, device=device, dtype=dtype)
 
     def new_cache(self, max_tokens: int) -> ContiguousKV:
-        return ContiguousKV(self.config, max_tokens, self.model.device)
+        return ContiguousKV(self.config, max_tokens, self.model.device, self.model.dtype)
 
     @torch.inference_mode()
     def prefill(self, cache: ContiguousKV, token_ids: list[int]) -> torch.Tensor:

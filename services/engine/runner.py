@@ -20,6 +20,7 @@ from pdmesh.services.engine.model import (
     PREFILL_CHUNK,
     LlamaModel,
     LoadedModel,
+    default_dtype,
     prefill_windows,
 )
 
@@ -75,10 +76,14 @@ def make_pool(
     num_pages: int,
     page_tokens: int = 16,
     scrub: ScrubPolicy | str = ScrubPolicy.NONE,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> KVPool:
-    """A KVPool whose geometry matches `model` (fp32: the engine computes in fp32)."""
-    return KVPool(pool_spec_for(model, num_pages, page_tokens), scrub=scrub, device=device)
+    """A KVPool whose geometry matches `model`, on `device`, in the engine's compute dtype
+    for that device (`default_dtype`: fp32 on CPU, bf16/fp16 on CUDA) unless given."""
+    dtype = dtype or default_dtype(device)
+    return KVPool(pool_spec_for(model, num_pages, page_tokens, dtype), scrub=scrub,
+                  device=str(device))
 
 
 class Engine:
@@ -90,12 +95,15 @@ class Engine:
             cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         ):
             raise ValueError(f"pool geometry {spec} does not match model {cfg}")
-        if spec.dtype != torch.float32:
-            raise ValueError("the engine computes in fp32; build the pool with float32")
+        if not spec.dtype.is_floating_point or spec.dtype.itemsize < 2:
+            raise ValueError(f"the engine computes in the pool's dtype; {spec.dtype} is not "
+                             "a float type it runs (float32, bfloat16, float16)")
         self.loaded = model
         self.config = cfg
         self.pool = pool
-        self.model = LlamaModel(cfg, model.weights, device=str(pool.device))
+        # The model computes in the pool's dtype on the pool's device: K/V are stored as
+        # computed, so paged and reference engines of one dtype produce the same bits.
+        self.model = LlamaModel(cfg, model.weights, device=pool.device, dtype=spec.dtype)
         self.prefill_tokens_computed = 0  # prompt tokens run through the model (not cached)
 
     @property
@@ -137,8 +145,9 @@ class Engine:
     def decode_step(self, batch: list[DecodeSlot]) -> torch.Tensor:
         """Append each slot's token at its position and return next logits [B, vocab].
 
-        Each request attends only to its own pages; the batch runs in fixed-shape tiles of
-        DECODE_TILE rows so results do not depend on the batch (see model.py)."""
+        Each request attends only to its own pages and every matmul is row-wise, so results
+        do not depend on the batch (see model.py); the batch runs DECODE_TILE rows per
+        model call."""
         if not batch:
             raise ValueError("empty decode batch")
         seen: set[str] = set()

@@ -1,11 +1,27 @@
-"""Sampling: greedy at temperature 0, otherwise seeded per request (reproducible)."""
+"""Sampling: greedy at temperature 0, otherwise seeded per request (reproducible).
+
+The logits processors follow vLLM's meaning and order: repetition, frequency and presence
+penalties first (greedy included), `min_tokens` masking of eos and `stop_token_ids`, then
+temperature, top-k, top-p and min-p. Logprobs are the raw model's (before any processor),
+as vLLM's default `raw_logprobs`. Each step depends only on (logits, seed, token index,
+tokens generated so far), so the mesh and the reference engine agree token for token.
+"""
 
 from __future__ import annotations
 
+import math
 import secrets
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+from pdmesh.services import messages as m
+
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs bound
+
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -14,6 +30,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 64
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    penalty_prompt_ids: tuple[int, ...] = ()  # prompt ids the repetition penalty covers
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -22,43 +48,149 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0: off)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}")
+
+    @classmethod
+    def from_wire(cls, s: m.Sampling, max_tokens: int) -> SamplingParams:
+        """The parameters a `messages.Sampling` carries (one conversion for every worker)."""
+        return cls(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                   max_tokens=max_tokens, top_k=s.top_k, min_p=s.min_p,
+                   repetition_penalty=s.repetition_penalty,
+                   presence_penalty=s.presence_penalty,
+                   frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens,
+                   ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids),
+                   logprobs=s.logprobs, penalty_prompt_ids=tuple(s.penalty_prompt_ids))
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 class Sampler:
-    """Per-request sampler. One instance per request: it owns that request's RNG, so the
-    tokens depend only on (logits, seed, token index), never on what else is batched.
+    """Per-request sampler. One instance per request: it owns that request's RNG and the
+    tokens it has generated, so the tokens depend only on (logits, seed, token index,
+    history), never on what else is batched.
 
     The RNG is re-seeded from (seed, index) for every token, so a request whose first token
     was sampled on a prefill worker continues on a decode worker exactly as it would have in
-    one process: decode builds its sampler and calls `skip(1)`.
+    one process: `sample()` records what it samples, and decode `accept()`s every token it
+    emits, which records the first one (sampled on prefill) and says when to stop.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = ()
+                 ) -> None:
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator()
-        self.index = 0  # how many tokens this request has sampled so far
+        self.eos = frozenset(eos_token_ids)
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.index = 0  # how many tokens this request has generated so far
+        self.counts: Counter[int] = Counter()  # generated token -> times (penalties)
+        self.last_logprobs: tuple[int, TokenLogprobs] | None = None
+        self._just_sampled: int | None = None
+
+    @classmethod
+    def for_request(cls, sampling: m.Sampling, max_tokens: int,
+                    eos_token_ids: Iterable[int] = ()) -> Sampler:
+        return cls(SamplingParams.from_wire(sampling, max_tokens), eos_token_ids)
 
     def skip(self, n: int) -> None:
-        """Account for `n` tokens sampled elsewhere (the first token, on prefill)."""
+        """Account for `n` tokens sampled elsewhere whose ids do not matter here."""
         self.index += n
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """Next token from logits [vocab]."""
-        index = self.index
+    def _record(self, token: int) -> None:
         self.index += 1
-        logits = logits.detach().to("cpu", torch.float32)
-        if self.params.temperature != 0.0:
+        self.counts[token] += 1
+
+    def accept(self, token: int) -> bool:
+        """Note a generated token; True when it ends the generation: eos (unless
+        `ignore_eos`) or one of `stop_token_ids`. A token this sampler has just sampled is
+        already recorded; any other (the first one, sampled on prefill) is recorded now."""
+        if self._just_sampled == token:
+            self._just_sampled = None
+        else:
+            self._record(token)
+        return token in self.stop_ids or (token in self.eos and not self.params.ignore_eos)
+
+    def take_logprobs(self, token: int) -> list[TokenLogprobs]:
+        """The logprobs of `token` if this sampler sampled it last (else none), once."""
+        last, self.last_logprobs = self.last_logprobs, None
+        return [last[1]] if last is not None and last[0] == token else []
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """Next token from logits [vocab], recorded (penalties, RNG index)."""
+        p = self.params
+        raw = logits.detach().to("cpu", torch.float32)
+        logits = self._process(raw)
+        if p.temperature == 0.0:
+            token = int(torch.argmax(logits))
+        else:
             # Mix seed and index (splitmix-style) so nearby seeds give unrelated streams.
-            self.generator.manual_seed((self.seed * 0x9E3779B97F4A7C15 + index) % (1 << 63))
-        if self.params.temperature == 0.0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / self.params.temperature, dim=-1)
-        if self.params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
+            self.generator.manual_seed((self.seed * 0x9E3779B97F4A7C15 + self.index)
+                                       % (1 << 63))
+            token = self._draw(logits)
+        if p.logprobs is not None:
+            self.last_logprobs = (token, self._logprobs(raw, token, p.logprobs))
+        self._record(token)
+        self._just_sampled = token
+        return token
+
+    def _process(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.penalized and (self.counts or p.penalty_prompt_ids):
+            logits = logits.clone()
+            if p.repetition_penalty != 1.0:
+                vocab = logits.shape[-1]
+                seen = torch.tensor(sorted(t for t in set(p.penalty_prompt_ids) | set(
+                    self.counts) if 0 <= t < vocab), dtype=torch.long)
+                vals = logits[seen]
+                logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                           vals * p.repetition_penalty)
+            if self.counts and (p.frequency_penalty or p.presence_penalty):
+                ids = torch.tensor(list(self.counts), dtype=torch.long)
+                freq = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+                logits[ids] -= p.frequency_penalty * freq + p.presence_penalty
+        if self.index < p.min_tokens:
+            banned = (set() if p.ignore_eos else set(self.eos)) | set(self.stop_ids)
+            banned = {t for t in banned if 0 <= t < logits.shape[-1]}
+            if banned:
+                logits = logits.clone()
+                logits[torch.tensor(sorted(banned), dtype=torch.long)] = -math.inf
+        return logits
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        p = self.params
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.top_k <= 0 and p.min_p == 0.0 and p.top_p >= 1.0:
+            return int(torch.multinomial(probs, 1, generator=self.generator))
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if p.top_k > 0:
+            keep[p.top_k:] = False
+        if p.top_p < 1.0:
             cumulative = torch.cumsum(sorted_probs, dim=-1)
-            keep = cumulative - sorted_probs < self.params.top_p  # always keeps the top one
-            sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-            choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
-            return int(order[choice])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            keep &= cumulative - sorted_probs < p.top_p  # always keeps the top one
+        if p.min_p > 0.0:
+            keep &= sorted_probs >= p.min_p * sorted_probs[0]
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        choice = torch.multinomial(sorted_probs, 1, generator=self.generator)
+        return int(order[choice])
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+        logp = torch.log_softmax(raw, dim=-1)
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            values, ids = torch.topk(logp, k)
+            top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+        return float(logp[token]), top

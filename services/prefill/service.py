@@ -17,26 +17,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import nats.errors
 from nats.aio.msg import Msg
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
-from pdmesh.kvstore import Lease, PoolExhaustedError, PrefixCache
+from pdmesh.kvstore import KVPool, Lease, PoolExhaustedError, PrefixCache
 from pdmesh.kvstore.spec import pages_for
-from pdmesh.services import faults
+from pdmesh.services import faults, tickets
 from pdmesh.services import messages as m
 from pdmesh.services.capacity import prefill_refusal
 from pdmesh.services.config import ServiceConfig
-from pdmesh.services.engine.sampling import Sampler, SamplingParams
+from pdmesh.services.engine.sampling import Sampler
 from pdmesh.services.errors import TicketError
 from pdmesh.services.lifecycle import Lifecycle, RequestState
 from pdmesh.services.prefill.scheduler import PrefillQueue
 from pdmesh.services.runtime import counter_total
 from pdmesh.services.worker import WorkerBase, run_worker
-from pdmesh.transports import KVTransport, TransferError, TransferPlan
+from pdmesh.transports import KVTransport, Reason, TransferError, TransferPlan
+from pdmesh.transports.framing import transfer_key
 
 # What prefill does with a dispatch before its own gate (production: take it as it came;
 # a test mesh injects its fault intake, services/faults.py).
@@ -44,18 +46,32 @@ DispatchIntake = Callable[[m.PrefillDispatch, Mapping[str, str] | None],
                           m.PrefillDispatch | None]
 
 
-def transfer_plan(d: m.PrefillDispatch, first_token: int, deadline_s: float) -> TransferPlan:
-    """The decode reservation of a dispatch, as the transport's plan: the one conversion."""
+def transfer_plan(d: m.PrefillDispatch, first_token: int, deadline_s: float,
+                  mesh_secret: str) -> TransferPlan:
+    """The decode reservation of a dispatch, as the transport's plan: the one conversion
+    (its frames are MACed under the reservation's key, derived from the mesh secret)."""
     r = d.reservation
     return TransferPlan(reservation_id=r.reservation_id, epoch=r.epoch,
                         dest_page_ids=tuple(r.page_ids), num_tokens=len(d.prompt_ids),
                         page_tokens=r.page_tokens, page_bytes=r.page_bytes,
-                        first_token=first_token, deadline_s=deadline_s)
+                        first_token=first_token, deadline_s=deadline_s,
+                        key=transfer_key(mesh_secret, r.reservation_id, r.epoch))
 
 
-def sampler_for(sampling: m.Sampling, max_tokens: int) -> Sampler:
-    return Sampler(SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                  seed=sampling.seed, max_tokens=max_tokens))
+def outgoing_pages(pool: KVPool, lease: Lease, num_tokens: int) -> list[memoryview]:
+    """The pages a prefill sends for a prompt of `num_tokens`: read-only views (cached pages
+    may be read, pinned, never written), with the unwritten tail of the last page zeroed
+    first, so that no byte of an earlier tenant's KV leaves this worker (the pool's default
+    scrub policy does not clear freed pages)."""
+    n_pages = pages_for(num_tokens, pool.spec.page_tokens)
+    tail = num_tokens - (n_pages - 1) * pool.spec.page_tokens
+    if tail < pool.spec.page_tokens:  # the last page is this lease's own, never a cached one
+        pool.page_tensor(lease, n_pages - 1)[:, :, tail:].zero_()
+    return [pool.page_view(lease, i) for i in range(n_pages)]
+
+
+def sampler_for(sampling: m.Sampling, max_tokens: int, eos_token_ids: Iterable[int]) -> Sampler:
+    return Sampler.for_request(sampling, max_tokens, eos_token_ids)
 
 
 log = logging.getLogger("pdmesh.prefill")
@@ -85,22 +101,27 @@ class PrefillService(WorkerBase):
         self._work = asyncio.Event()
         self._freed = asyncio.Event()
         r = self.rt.registry
-        self.dispatches = Counter("pdmesh_prefill_dispatches_total", "Dispatches by outcome",
+        self.dispatches = Counter("pdmesh:prefill_dispatches_total", "Dispatches by outcome",
                                   ["outcome"], registry=r)
-        self.bootstraps = Counter("pdmesh_bootstraps_total",
+        self.bootstraps = Counter("pdmesh:bootstraps_total",
                                   "Prefills started (lease taken, prompt run)", registry=r)
-        self.transfers = Counter("pdmesh_transfers_sent_total", "KV transfers by outcome",
+        self.transfers = Counter("pdmesh:transfers_sent_total", "KV transfers by outcome",
                                  ["outcome"], registry=r)
-        self.prompt_tokens = Counter("pdmesh_prefill_tokens_total",
+        self.prompt_tokens = Counter("pdmesh:prefill_tokens_total",
                                      "Prompt tokens prefilled (computed, not cached)",
                                      registry=r)
-        self.cache_queries = Counter("pdmesh_prefix_cache_queries_total",
+        self.cache_queries = Counter("pdmesh:prefix_cache_queries_total",
                                      "Prefills that looked their prompt up in the prefix cache",
                                      registry=r)
-        self.cache_hits = Counter("pdmesh_prefix_cache_hits_total",
+        self.cache_hits = Counter("pdmesh:prefix_cache_hits_total",
                                   "Prompt tokens served from the prefix cache", registry=r)
-        self.cache_evictions = Counter("pdmesh_prefix_cache_evictions_total",
+        self.cache_evictions = Counter("pdmesh:prefix_cache_evictions_total",
                                        "Prefix-cache pages evicted", registry=r)
+        self.transfer_seconds = Histogram(
+            "pdmesh:kv_transfer_time_seconds", "KV send to decode's ack, per request",
+            ["model_name"], registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        ).labels(cfg.served_model_names[0] if cfg.served_model_names else self.model.name)
         self.prefix_cache = PrefixCache(self.pool, align_tokens=self.engine.prefix_align_tokens,
                                         on_evict=self.cache_evictions.inc)
 
@@ -140,12 +161,14 @@ class PrefillService(WorkerBase):
         self.seen_requests.append(rid)
         try:
             self.verifier.verify(d.ticket, prompt_len=len(d.prompt_ids))
+            problem = self._recheck(d)
+            if not problem:  # the grant binds prompt and reservation to the ticket
+                tickets.verify_grant(self.cfg.mesh_secret, d)
         except TicketError as exc:
             self.ticket_refusals.labels(exc.reason.split(" ")[0]).inc()
             await self._give_up(d, m.Outcome(code=m.Code.TICKET_INVALID, detail=str(exc)),
                                 "ticket_refused")
             return
-        problem = self._recheck(d)
         if problem:
             await self._give_up(d, m.Outcome(code=m.Code.PREFILL_REJECTED, detail=problem),
                                 "rejected")
@@ -213,6 +236,7 @@ class PrefillService(WorkerBase):
             return
         lease = None
         failure: tuple[m.Outcome, str] | None = None
+        unreachable = ""  # why decode's data address could not be reached, if it could not
         try:
             lease = await self._allocate(job)
             cached = lease.cached_tokens
@@ -226,12 +250,20 @@ class PrefillService(WorkerBase):
             if life.is_terminal:
                 return
             self.prefix_cache.insert(d.ticket.cache_salt, d.prompt_ids, lease)
-            first = sampler_for(d.sampling, d.ticket.max_tokens).sample(logits)
+            sampler = sampler_for(d.sampling, d.ticket.max_tokens,
+                                  self.model.tokenizer.eos_token_ids)
+            first = sampler.sample(logits)
+            if d.sampling.logprobs is not None:  # flushed with the cache info below
+                await self.rt.publish(m.tokens_subject(job.request_id), m.FirstTokenLogprobs(
+                    request_id=job.request_id, token_id=first,
+                    logprobs=sampler.take_logprobs(first)))
             await self._report_cached(d, cached)
-            plan = transfer_plan(d, first, self.cfg.transfer_deadline_s)
+            plan = transfer_plan(d, first, self.cfg.transfer_deadline_s, self.cfg.mesh_secret)
             # Read-only views: cached pages may be read (pinned) but never written.
-            buffers = [self.pool.page_view(lease, i) for i in range(plan.num_pages)]
+            buffers = outgoing_pages(self.pool, lease, plan.num_tokens)
+            sent_at = time.monotonic()
             ack = await self.transport.send(d.reservation.data_address, plan, buffers)
+            self.transfer_seconds.observe(time.monotonic() - sent_at)
             self.kv_bytes.labels("out").inc(ack.bytes)
             self.transfers.labels("ok").inc()
             if not life.is_terminal:  # an abort during the send already ended it
@@ -240,6 +272,8 @@ class PrefillService(WorkerBase):
             self.transfers.labels(exc.reason.name.lower()).inc()
             failure = self._fail(life, m.Code.TRANSFER_FAILED, f"KV transfer failed: {exc}",
                                  "transfer_failed")
+            if exc.reason is Reason.PEER_LOST and exc.detail.startswith("connect "):
+                unreachable = exc.detail  # the transports' connect failure
         except PoolExhaustedError as exc:
             failure = self._fail(life, m.Code.PREFILL_REJECTED, str(exc), "pool_full")
         except Exception as exc:
@@ -253,6 +287,20 @@ class PrefillService(WorkerBase):
                 self._freed.set()
         if failure is not None:
             await self._give_up(d, *failure)
+        if unreachable:
+            await self._report_unreachable(d, unreachable)
+
+    async def _report_unreachable(self, d: m.PrefillDispatch, detail: str) -> None:
+        """Tell admission that decode's advertised data address cannot be reached from here,
+        so that it routes around that worker instead of failing request after request."""
+        log.warning("decode %s unreachable at %s: %s", d.ticket.decode_worker,
+                    d.reservation.data_address, detail)
+        try:
+            await self.rt.publish(m.UNREACHABLE_SUBJECT, m.DataPlaneUnreachable(
+                worker_id=d.ticket.decode_worker, data_address=d.reservation.data_address,
+                reporter=self.cfg.worker_id, detail=detail))
+        except (nats.errors.Error, OSError) as exc:
+            log.error("reporting unreachable decode %s failed: %s", d.ticket.decode_worker, exc)
 
     @staticmethod
     def _fail(life: Lifecycle, code: m.Code, detail: str,

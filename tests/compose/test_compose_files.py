@@ -19,6 +19,7 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
+from pdmesh.services import natsauth
 from pdmesh.services.config import SETTINGS
 from pdmesh.services.topology import mesh_services
 
@@ -102,6 +103,7 @@ STACKS = [[LAB], [LAB, CI_OVERRIDE], [LAB, UCX_OVERRIDE],
 @pytest.mark.parametrize("files", STACKS, ids=lambda fs: "+".join(f.name for f in fs))
 def test_docker_compose_accepts(files: list[Path], tmp_path: Path) -> None:
     (tmp_path / "mesh.env").write_text("PDMESH_MESH_SECRET=test\n")
+    natsauth.write_secrets(tmp_path, hosts=["10.0.0.10", "10.0.0.11", "10.0.0.12"])
     (tmp_path / "tenants.toml").write_text('[[tenant]]\nid = "t"\napi_keys = ["k"]\n')
     env = {**os.environ, **CONFIG_ENV, "PDMESH_SECRETS_DIR": str(tmp_path)}
     argv = ["docker-compose", *[a for f in files for a in ("-f", str(f))], "config", "-q"]
@@ -130,13 +132,17 @@ def test_lab_runs_exactly_the_topology() -> None:
             "CMD", "pdmesh-ready", f"http://127.0.0.1:{spec.http_port}/ready"]
 
 
-def test_ci_override_runs_the_topology_with_shifted_ports() -> None:
+def test_ci_override_runs_the_topology_on_the_stacks_own_network() -> None:
+    """CI runs the lab as it is: every container its own network stack on the compose
+    bridge network (no host networking), the default model, the lab's commands and env."""
     lab, ci = _load(LAB), _load(CI_OVERRIDE)
     merged = {name: _merge(svc, ci["services"].get(name, {}))
               for name, svc in lab["services"].items()}
+    assert not any("network_mode" in svc for svc in merged.values())
+    assert "${PDMESH_MODEL:-smollm2}" == merged["gateway"]["environment"]["PDMESH_MODEL"]
     for spec in _generator().ci_specs():
         svc = merged[spec.name]
-        assert svc["network_mode"] == "host"
+        assert svc["environment"]["PDMESH_NATS_URL"] == "nats://nats:4222"
         assert svc["command"] == list(spec.argv)
         assert spec.env.items() <= svc["environment"].items(), spec.name
         assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{spec.http_port}/ready"
@@ -165,6 +171,29 @@ def test_role_files_run_topology_commands(path: Path) -> None:
 def test_overrides_name_only_lab_services(path: Path) -> None:
     """A typo in an override would add a service with no image instead of changing one."""
     assert set(_load(path)["services"]) <= set(_load(LAB)["services"])
+
+
+@pytest.mark.parametrize("path", [LAB, *ROLE_FILES], ids=lambda p: str(p.relative_to(REPO)))
+def test_nats_runs_with_credentials_from_secrets(path: Path) -> None:
+    """NATS loads the authorization block `pdmesh secrets` writes, and every service reads
+    its role's NATS user from that role's env file (not another role's, not none)."""
+    doc = _load(path)
+    nats_cmd = [str(a) for a in doc["services"]["nats"]["command"]]
+    conf = next((a.split("=", 1)[1] for a in nats_cmd if a.startswith("--config=")), None)
+    if conf is None and "--config" in nats_cmd:
+        conf = nats_cmd[nats_cmd.index("--config") + 1]
+    # The lab: one node, users only; multi-host: users plus the authenticated cluster routes.
+    name = "nats.conf" if path == LAB else "nats-cluster.conf"
+    assert conf == f"/run/secrets/{name}", nats_cmd
+    assert not any(a.startswith(("--routes", "--cluster")) for a in nats_cmd), \
+        "cluster flags replace the config's cluster block (and its route authorization)"
+    mounts = {s["target"]: s["source"] for s in doc["services"]["nats"].get("secrets", [])}
+    assert doc["secrets"][mounts[name]]["file"].endswith(f"/{name}")
+    for name, svc in _pdmesh_services(doc).items():
+        role = svc["command"][-1]
+        env_files = [Path(f).name for f in svc["env_file"]]
+        assert [f for f in env_files if f.startswith("nats-")] == [f"nats-{role}.env"], name
+        assert role in natsauth.ROLES
 
 
 def test_gateway_is_the_only_published_port() -> None:

@@ -147,3 +147,23 @@ def test_engine_rejects_mismatched_pool(tiny) -> None:
         engine.prefill(lease, list(range(17)))  # more than the lease holds
     pool.release(lease, "done")
     assert pool.num_free_pages == pool.num_pages
+
+
+def test_decode_logits_bits_do_not_depend_on_batch_size_or_row(tiny) -> None:
+    """One request's decode logits, bit for bit, alone and at the first/last row of batches
+    of 2, 7 and 16: tiles of 4, 8 and 16 rows give the same bits."""
+    ref = ReferenceEngine(tiny)
+    prompts = [prompt(100 + i, 20 + i) for i in range(16)]
+    caches = []
+    for p in prompts:
+        cache = ref.new_cache(64)
+        ref.prefill(cache, p)
+        caches.append(cache)
+    alone = ref.decode([caches[0]], [5], [len(prompts[0])])[0]
+    for size in (2, 7, 16):
+        for row in (0, size - 1):
+            order = list(range(1, size))
+            order.insert(row, 0)
+            logits = ref.decode([caches[i] for i in order], [5 + i for i in order],
+                                [len(prompts[i]) for i in order])
+            assert torch.equal(logits[row], alone), (size, row)

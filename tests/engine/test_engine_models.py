@@ -14,7 +14,14 @@ from engine_helpers import prompt
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from pdmesh.services.engine.model import DECODE_TILE, PREFILL_CHUNK, prefill_windows
+from pdmesh.services.engine.model import (
+    DECODE_TILE,
+    DECODE_TILES,
+    PREFILL_CHUNK,
+    ContiguousKV,
+    prefill_windows,
+    tiles_agree,
+)
 from pdmesh.services.engine.models import load_model
 from pdmesh.services.engine.reference import ReferenceEngine
 from pdmesh.services.engine.sampling import Sampler, SamplingParams
@@ -178,3 +185,26 @@ def test_smollm2_gguf_answers_paris() -> None:
     out = ReferenceEngine(model).generate(model.tokenizer.encode(text),
                                           SamplingParams(max_tokens=16))
     assert "Paris" in model.tokenizer.decode(out)
+
+
+def test_decode_tile_ladder_is_checked_on_this_machine(tiny) -> None:
+    """Decode pads to 4, 8 or 16 rows only because `tiles_agree` holds for the model's
+    shapes here; the check itself can fail: 1- and 2-row GEMMs take other kernels."""
+    shapes = [(768, 256), (256, 768), (258, 256)]
+    cpu = torch.device("cpu")
+    assert tiles_agree(shapes, DECODE_TILES, cpu, torch.float32)
+    assert not tiles_agree(shapes, (1,), cpu, torch.float32)
+    assert not tiles_agree(shapes, (2,), cpu, torch.float32)
+    assert ReferenceEngine(tiny).model.decode_tiles == DECODE_TILES
+
+
+def test_decode_pads_to_the_smallest_tile_that_holds_the_batch(tiny, monkeypatch) -> None:
+    model = ReferenceEngine(tiny).model
+    seen = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda tokens, *a: seen.append(len(tokens))
+                        or forward(tokens, *a))
+    caches = [ContiguousKV(tiny.config, 8, model.device) for _ in range(DECODE_TILE)]
+    for count in (1, 4, 5, 8, 9, 16):
+        model.decode_tile(caches[:count], [1] * count, [0] * count)
+    assert seen == [4, 4, 8, 8, 16, 16]

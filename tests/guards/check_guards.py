@@ -100,9 +100,19 @@ MUTATIONS = [
              ("tests/transports/test_conformance.py::test_stale_epoch",)),
     Mutation("fence", "fence: no byte lands in a lease after abort (late write)",
              "transports/receiver.py",
-             "        self.fail(slot, Reason.FENCED, \"fenced by the receiver\")\n"
-             "        await slot.finalized.wait()", "        return",
+             "            self.fail(slot, Reason.FENCED, \"fenced by the receiver\")\n",
+             "            return\n",
              (ISO + "test_late_write.py::test_late_frames_never_land_in_the_next_lease",)),
+    # A slot that already failed (deadline, duplicate connection) while a posted UCX receive
+    # into its pages is still in flight: fence() must wait for that write (issue 14).
+    Mutation("fence-inflight", "fence waits for a failed slot's write in flight (late write)",
+             "transports/receiver.py",
+             "            slot = self._draining.get(key) or self._quarantined.get(key)",
+             "            slot = None",
+             ("tests/transports/test_fence_race.py::"
+              "test_table_fence_waits_for_a_write_in_flight_of_a_failed_slot",
+              "tests/transports/test_fence_race.py::"
+              "test_late_payload_never_lands_in_the_next_lease")),
     Mutation("lease-read-check", "pool read check: owner + epoch + written length (I2)",
              "kvstore/pool.py",
              "        epochs = self._page_epoch[pages]\n        ok = epochs == lease.epoch",
@@ -125,6 +135,54 @@ MUTATIONS = [
              "        if False:",
              ("tests/unit/test_tickets.py",
               ISO + "test_admission_guards.py::test_forged_ticket_is_refused_by_decode")),
+    # Issue 15: the authenticated data plane, the dispatch grant, robust listeners.
+    Mutation("frame-mac", "every data-plane header is MACed under the reservation's key; "
+             "a frame without it changes nothing", "transports/receiver.py",
+             "        if slot is not None and not mac_ok(h, slot.target.key):",
+             "        if False:",
+             ("tests/transports/test_auth.py::test_frames_without_the_key_change_nothing",)),
+    Mutation("ack-mac", "the sender releases its pages only on an authenticated ACK",
+             "transports/core.py", "                if not mac_ok(h, plan.key):",
+             "                if False:",
+             ("tests/transports/test_auth.py::"
+              "test_sender_rejects_an_unauthenticated_ack_and_oversized_reply",)),
+    Mutation("reply-bound", "a reply header cannot size an allocation on the sender",
+             "transports/core.py", "        if h.kind not in (Kind.ACK, Kind.NACK):",
+             "        if False:",
+             ("tests/transports/test_auth.py::"
+              "test_sender_rejects_an_unauthenticated_ack_and_oversized_reply",)),
+    Mutation("drain-bound", "UCX drains no more than live transfers allow",
+             "transports/core.py", "        if length > allowed:", "        if False:",
+             ("tests/transports/test_auth.py::test_ucx_drains_no_more_than_live_transfers_allow",)),
+    Mutation("dispatch-grant", "prefill refuses a dispatch whose prompt or reservation "
+             "differs from what admission granted", "services/tickets.py",
+             "    if not hmac.compare_digest(expected, dispatch.grant):", "    if False:",
+             ("tests/unit/test_tickets.py",)),
+    Mutation("accept-loop", "the TCP accept loop survives accept errors (EMFILE)",
+             "transports/tcp.py", "            except OSError as exc:\n"
+             "                self.stats.accept_errors += 1",
+             "            except ZeroDivisionError as exc:\n"
+             "                self.stats.accept_errors += 1",
+             ("tests/transports/test_listener.py::"
+              "test_accept_loop_survives_running_out_of_file_descriptors",)),
+    Mutation("header-timeout", "an unbound inbound link must send a header in time",
+             "transports/core.py",
+             "                        header = await timed(self._recv_header(link, None),\n"
+             "                                             self.header_timeout_s)",
+             "                        header = await self._recv_header(link, None)",
+             ("tests/transports/test_listener.py::"
+              "test_idle_connection_flood_is_bounded_in_count_and_time",)),
+    Mutation("unbound-cap", "at most max_unbound_links unbound inbound links",
+             "transports/core.py", "        if len(unbound) >= self.max_unbound_links:",
+             "        if False:",
+             ("tests/transports/test_listener.py::"
+              "test_idle_connection_flood_is_bounded_in_count_and_time",)),
+    Mutation("ready-data-plane", "a worker whose data plane cannot accept reports not ready",
+             "services/worker.py",
+             "        return bool(getattr(self.transport, \"accepting\", True))",
+             "        return True",
+             ("tests/transports/test_listener.py::"
+              "test_worker_reports_not_ready_while_its_data_plane_cannot_accept",)),
     Mutation("dead-worker", "gateway ends a stream whose decode worker died",
              "gateway/generation.py",
              "            if worker and self.gw.registry.get(worker) is None:",
@@ -138,6 +196,69 @@ MUTATIONS = [
              "        root = self._roots.get(cache_salt) if cache_salt else None",
              "        root = next(iter(self._roots.values()), None) if cache_salt else None",
              ("tests/prefix",)),
+    Mutation("first-token-range", "the commit's first token is range-checked before any "
+             "batch", "services/decode/service.py",
+             "        if not 0 <= result.first_token < vocab:", "        if False:",
+             (ISO + "test_data_plane_faults.py::"
+              "test_faulty_transfer_fails_only_that_request[first_token_out_of_range]",
+              ISO + "test_data_plane_faults.py::"
+              "test_faulty_transfer_fails_only_that_request[first_token_negative]")),
+    Mutation("tail-zero", "no earlier tenant's KV leaves prefill in a last page's tail",
+             "services/prefill/service.py",
+             "        pool.page_tensor(lease, n_pages - 1)[:, :, tail:].zero_()",
+             "        pass", ("tests/unit/test_prefill_tail.py",)),
+    # Publishing first (as before) loses the lease when the publish raises.
+    Mutation("release-before-telling", "decode frees a lease before it publishes the end",
+             "services/decode/service.py",
+             "        assert outcome is not None\n        self.scheduler.discard(dreq)\n",
+             "        assert outcome is not None\n        await self.rt.publish("
+             "m.tokens_subject(dreq.request_id), event or m.StreamFailed("
+             "request_id=dreq.request_id, outcome=outcome))\n"
+             "        self.scheduler.discard(dreq)\n",
+             ("tests/unit/test_release_before_telling.py",)),
+    Mutation("quarantine", "a lease whose fence cannot finish never returns to the free list",
+             "services/decode/service.py",
+             "            self.pool.quarantine(lease, outcome.label)",
+             "            self.pool.release(lease, outcome.label)",
+             ("tests/unit/test_release_before_telling.py::"
+              "test_a_lease_whose_fence_cannot_finish_is_quarantined_not_reused",)),
+    Mutation("unreachable-set-aside", "admission routes around a worker prefill cannot reach",
+             "services/admission/registry.py",
+             "                   if e.beat.role is role and not self.is_set_aside(e.beat, now)]",
+             "                   if e.beat.role is role]",
+             ("tests/unit/test_registry_set_aside.py",)),
+    Mutation("dev-credentials", "a production start refuses the dev secret and dev keys",
+             "services/config.py", "    if found and not allowed:", "    if False:",
+             ("tests/mesh/test_launcher.py::test_dev_credentials_are_refused_unless_allowed",)),
+    Mutation("gateway-context", "an over-context prompt is refused before any control "
+             "message (no submit over NATS's max payload)", "gateway/app.py",
+             "            over = context_rejection(len(ids), max_tokens, "
+             "self.served_context() or 1 << 62)",
+             "            over = None", ("tests/gateway/test_gateway_long_prompt.py",)),
+    Mutation("nats-auth", "pdmesh up's NATS requires credentials", "services/launcher.py",
+             'nats_server_binary(), "-c", str(conf), "-a",', 'nats_server_binary(), "-a",',
+             (ISO + "test_nats_auth.py::test_nats_refuses_a_client_without_credentials",
+              ISO + "test_nats_auth.py::test_a_reader_cannot_watch_the_control_plane")),
+    Mutation("nats-permissions", "each NATS identity may use only its role's subjects",
+             "services/natsauth.py",
+             "                     f\"      permissions: {{ {', '.join(perms)} }} }}\")",
+             "                     f\"      }}\")",
+             (ISO + "test_nats_auth.py::test_a_reader_cannot_watch_the_control_plane",
+              ISO + "test_nats_auth.py::"
+              "test_the_gateway_cannot_dispatch_and_no_one_forges_a_heartbeat")),
+    Mutation("route-auth", "a NATS node without the route password gets no route",
+             "services/natsauth.py",
+             "            f\"  authorization {{ user: {json.dumps(ROUTE_USER)}, \"\n"
+             "            f\"password: {json.dumps(password)} }}\\n\"\n",
+             "", (ISO + "test_nats_auth.py::test_cluster_routes_need_the_route_password",)),
+    Mutation("tls-first", "a service with a CA never sends its password in clear",
+             "services/runtime.py", "tls=tls, tls_handshake_first=tls is not None,",
+             "tls=tls, tls_handshake_first=False,",
+             ("tests/unit/test_certs.py::test_a_service_with_a_ca_never_talks_to_nats_in_clear",)),
+    Mutation("colocated-token-range", "a colocated worker rechecks token ids like prefill",
+             "services/colocated/service.py",
+             "        if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:",
+             "        if False:", ("tests/unit/test_colocated_gate.py",)),
 ]
 
 

@@ -88,7 +88,9 @@ def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
     decode = next(s for s in worker_stats(mesh.nats_url).values() if s.role is m.Role.DECODE)
 
     async def reserve(ticket: m.AdmittedTicket) -> m.ReserveReply:
-        nc = await nats.connect(mesh.nats_url)
+        # An insider with admission's NATS identity (the only one allowed to reserve) but
+        # without the mesh secret.
+        nc = await nats.connect(mesh.nats_url_for("admission"))
         try:
             reply = await nc.request(m.reserve_subject(decode.worker_id),
                                      m.encode(m.ReserveRequest(ticket=ticket)), timeout=3)

@@ -20,7 +20,8 @@ PROMPT = "the quick brown fox jumps over the lazy dog; " * 4
 
 FAULTS = ["corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
           "reorder_frames", "commit_first", "truncate", "reset", "stale_epoch",
-          "foreign_reservation", "stub_transfer"]
+          "foreign_reservation", "stub_transfer", "first_token_out_of_range",
+          "first_token_negative"]
 
 
 @pytest.mark.parametrize("fault", FAULTS)

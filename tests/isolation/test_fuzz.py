@@ -32,7 +32,9 @@ json_values = json_scalars | st.lists(json_scalars, max_size=3) | st.dictionarie
                                             json_scalars, max_size=3), max_size=2), max_size=3)
 KEYS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop",
         "stream", "stream_options", "n", "logprobs", "echo", "user", "role", "content",
-        "include_usage", "cache_salt", "max_completion_tokens", "suffix", "best_of"]
+        "include_usage", "cache_salt", "max_completion_tokens", "suffix", "best_of",
+        "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "ignore_eos", "min_tokens", "stop_token_ids", "top_logprobs", "skip_special_tokens"]
 bodies = st.dictionaries(st.sampled_from(KEYS), json_values, max_size=8)
 
 

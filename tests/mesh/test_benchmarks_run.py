@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -25,8 +26,11 @@ def test_bench_engine_json() -> None:
                           "4")
     for key in ("prefill_tokens_per_s", "decode_tokens_per_s_b1", "decode_tokens_per_s_b16",
                 "paged_vs_contiguous_b1", "paged_vs_contiguous_b16",
-                "lease_check_pct_of_step_b16"):
+                "lease_check_pct_of_step_b16", "dense_forward_ms_b1", "dense_forward_ms_b16",
+                "weights_stream_ms", "decode_vs_dense_b1", "decode_vs_dense_b16",
+                "prefill_vs_dense"):
         assert got[key] > 0, key
+    assert got["device"] == "cpu" and got["dtype"] == "float32"
 
 
 def test_bench_transport_json() -> None:
@@ -34,6 +38,19 @@ def test_bench_transport_json() -> None:
     rows = got["results"]
     assert [r["mib"] for r in rows] == [1, 16, 64]
     assert all(r["transport_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0 for r in rows)
+    assert got["load_avg_1m"] >= 0 and got["cpus"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not importable")
+def test_bench_transport_ucx_json_has_the_native_perftest() -> None:
+    """ucx rows carry the native `ucx_perftest -t tag_bw` figure of the same run."""
+    got = _json_last_line("transport", "--kinds", "ucx", "--repeat", "1", "--budget-s", "5")
+    rows = got["results"]
+    assert [r["mib"] for r in rows] == [1, 16, 64]
+    for r in rows:
+        assert r["transport_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
+        assert r["perftest_gbps"] > 0, "ucx_perftest from the libucx wheel did not run"
+        assert r["vs_perftest"] == pytest.approx(r["transport_gbps"] / r["perftest_gbps"])
 
 
 def test_bench_prefix_cache_json() -> None:

@@ -44,6 +44,8 @@ def test_check_shows_the_clamp_on_the_live_mesh(live_mesh: Mesh) -> None:
         assert w["capacity_mismatch"] is True and w["flagged_by_worker"] is True
         assert w["mismatch"] == "CLAMPED"
         assert w["data_address"].startswith("tcp://127.0.0.1:")
+        # Dialled from this host: every data plane answers.
+        assert w["data_plane"]["reachable"] is True, w["data_plane"]
         assert 0 <= w["free_tokens"] <= w["pool_capacity_tokens"]
         # The stats request/reply answered: pool intact, page counts consistent.
         stats = w["stats"]
@@ -52,6 +54,7 @@ def test_check_shows_the_clamp_on_the_live_mesh(live_mesh: Mesh) -> None:
         assert (stats["leased_pages"] + stats["free_pages"] + stats["cached_pages"]
                 == stats["total_pages"] > 0)
     assert sorted(report["mismatches"]) == sorted(w["worker_id"] for w in report["workers"])
+    assert report["unreachable"] == []
     # Loud in the human table too.
     assert "!! CLAMPED !!" in res.stdout
     assert "!! CAPACITY CHECK:" in res.stdout

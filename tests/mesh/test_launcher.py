@@ -106,3 +106,21 @@ def test_port_in_use_is_one_clear_line() -> None:
                         str(port), "in use")
         env = mesh_env(PDMESH_HTTP_PORT=str(port))
         _one_clear_line(_run("serve", "admission", env=env), str(port))
+
+
+def test_dev_credentials_are_refused_unless_allowed() -> None:
+    """A production start never runs on the built-in mesh secret or the bundled dev keys by
+    accident: one clear line, nothing started; `make up` passes --allow-dev-credentials."""
+    env = {k: v for k, v in mesh_env().items() if k != "PDMESH_ALLOW_DEV_CREDENTIALS"}
+    _one_clear_line(_run("serve", "decode", env=env), "dev mesh secret",
+                    "--allow-dev-credentials")
+    tenants = REPO / "gateway" / "dev_tenants.toml"
+    _one_clear_line(_run("serve", "gateway", env={**env, "PDMESH_MESH_SECRET": "s3cret"}),
+                    "dev tenants")
+    _one_clear_line(_run("up", "--model", "tiny", env=env), "dev mesh secret",
+                    "--allow-dev-credentials")
+    # Real credentials pass the gate (this start then fails on purpose: no NATS there).
+    proc = _run("serve", "gateway", "--nats-url", "nats://127.0.0.1:1", env={
+        **env, "PDMESH_MESH_SECRET": "s3cret", "PDMESH_TENANTS_FILE": str(tenants),
+        "PDMESH_NATS_CONNECT_TIMEOUT_S": "1", "PDMESH_GATEWAY_PORT": "0"})
+    _one_clear_line(proc, "NATS", "unreachable")

@@ -18,7 +18,7 @@ def test_roundtrip():
     key = reservation_bytes(str(uuid.uuid4()))
     raw = encode_header(Kind.DATA, key, 5, seq=2, dest_page_id=9, page_index=2, token_count=16,
                         aux=-1, payload_len=4096, payload_checksum=123)
-    assert len(raw) == HEADER_SIZE == 80
+    assert len(raw) == HEADER_SIZE == 96
     h = decode_header(raw)
     assert (h.kind, h.reservation, h.epoch, h.seq, h.dest_page_id, h.page_index) == (
         Kind.DATA, key, 5, 2, 9, 2)

@@ -7,6 +7,9 @@ import uuid
 import numpy as np
 
 from pdmesh.transports import ExpectedTransfer, TransferPlan
+from pdmesh.transports.framing import transfer_key
+
+SECRET = "conformance-mesh-secret"
 
 
 class Pages:
@@ -32,8 +35,9 @@ def make_case(num_tokens=100, page_tokens=16, page_bytes=64 << 10, num_pages=Non
     dst = Pages(n, page_bytes, seed + 1)
     page_ids = tuple(range(100, 100 + n))
     rid = uuid.uuid4().hex
+    key = transfer_key(SECRET, rid, epoch)
     target = ExpectedTransfer(rid, epoch, page_ids, dst.views(), page_bytes, page_tokens,
-                              num_tokens, deadline_s)
+                              num_tokens, deadline_s, key=key)
     plan = TransferPlan(rid, epoch, page_ids, num_tokens, page_tokens, page_bytes,
-                        first_token=7, deadline_s=deadline_s)
+                        first_token=7, deadline_s=deadline_s, key=key)
     return src, dst, target, plan

@@ -13,13 +13,14 @@ from pdmesh.services import messages as m
 
 def beat(worker_id: str, role: m.Role = m.Role.DECODE, *, configured: int = 4096,
          pool: int = 4096, served: int | None = None, flagged: bool | None = None,
-         **kw: object) -> m.Heartbeat:
+         data_address: str = "", **kw: object) -> m.Heartbeat:
     served = min(configured, pool) if served is None else served
+    data_address = data_address or f"tcp://127.0.0.1:{abs(hash(worker_id)) % 60000}"
     flagged = configured > pool if flagged is None else flagged
     return m.Heartbeat(worker_id=worker_id, role=role, model="tiny", configured_context=configured,
                        pool_capacity_tokens=pool, served_context=served,
                        capacity_mismatch=flagged, available_tokens=pool, page_tokens=16,
-                       data_address=f"tcp://127.0.0.1:{abs(hash(worker_id)) % 60000}", **kw)
+                       data_address=data_address, **kw)
 
 
 def rows(*beats: m.Heartbeat) -> list[check.WorkerRow]:
@@ -170,3 +171,67 @@ def test_bench_cases_are_all_static_rejections() -> None:
         assert isinstance(got, Rejected) and got.reason is case.expect, case
     got = decide(bench.NO_WORKERS.prompt_len, bench.NO_WORKERS.max_tokens, [], [])
     assert isinstance(got, Rejected) and got.reason is m.Code.NO_WORKERS
+
+
+# -- data-plane reachability ---------------------------------------------------------------
+def test_address_problems_peers_cannot_use() -> None:
+    routable = ["tcp://10.0.0.12:4000"]
+    assert check.address_problem("tcp://10.0.0.11:4000", routable) == ""
+    assert check.address_problem("ucx://10.0.0.11:4000", routable) == ""
+    assert "wildcard" in check.address_problem("tcp://0.0.0.0:4000", routable)
+    assert "wildcard" in check.address_problem("tcp://[::]:4000", [])
+    assert "loopback" in check.address_problem("tcp://127.0.0.1:4000", routable)
+    assert "loopback" in check.address_problem("ucx://localhost:4000", routable)
+    # One host, everything on loopback (`pdmesh up`): nothing wrong.
+    assert check.address_problem("tcp://127.0.0.1:4000", ["tcp://127.0.0.1:4001"]) == ""
+    assert "no data address" in check.address_problem("", routable)
+    assert "host:port" in check.address_problem("10.0.0.1:4000", routable)
+    assert "host:port" in check.address_problem("tcp://10.0.0.1:http", routable)
+
+
+def test_loopback_among_routable_addresses_exits_1() -> None:
+    r = rows(beat("p1", m.Role.PREFILL, data_address="tcp://10.0.0.11:4000"),
+             beat("d1", data_address="tcp://127.0.0.1:4001"))
+    v = check.verdict(r)
+    assert v.code == check.EXIT_PROBLEM
+    assert len(v.problems) == 1
+    assert v.problems[0].startswith("d1: data plane: loopback address tcp://127.0.0.1:4001")
+    assert "!! DATA PLANE: d1: data plane: loopback" in check.format_report(r, v)
+
+
+def test_unreachable_data_plane_exits_1_and_is_loud() -> None:
+    r = rows(beat("p1", m.Role.PREFILL), beat("d1"))
+    r[0].reach = check.Reach(True, connect_ms=0.2, from_host="h2")
+    r[1].reach = check.Reach(False, "ConnectionRefusedError: refused", from_host="h2")
+    v = check.verdict(r)
+    assert v.code == check.EXIT_PROBLEM
+    assert v.problems == [f"d1: data plane {r[1].beat.data_address} unreachable from h2: "
+                          "ConnectionRefusedError: refused"]
+    text = check.format_report(r, v)
+    assert "!! UNREACHABLE: ConnectionRefusedError: refused !!" in text
+    assert "ok 0.2 ms" in text and "reach: each data plane dialled from h2" in text
+    report = check.report_json(r, v, nats_url="nats://x:4222", listen_s=1)
+    assert report["unreachable"] == ["d1"]
+    assert report["workers"][1]["data_plane"] == {
+        "reachable": False, "error": "ConnectionRefusedError: refused", "connect_ms": 0.0,
+        "from_host": "h2"}
+    r[1].reach = check.Reach(True, from_host="h2")
+    v = check.verdict(r)
+    assert v.code == check.EXIT_OK and "every data plane reachable" in v.message
+
+
+async def test_probe_dials_a_real_listener_and_reports_a_closed_port() -> None:
+    import asyncio
+
+    server = await asyncio.start_server(lambda _r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reach = await check.probe_data_plane(f"tcp://127.0.0.1:{port}", 2.0)
+        assert reach.ok and reach.error == "" and reach.from_host
+    finally:
+        server.close()
+        await server.wait_closed()
+    reach = await check.probe_data_plane(f"ucx://127.0.0.1:{port}", 2.0)
+    assert not reach.ok and "ConnectionRefused" in reach.error
+    reach = await check.probe_data_plane("garbage", 2.0)
+    assert not reach.ok and "host:port" in reach.error

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
+
 import msgspec
 import pytest
 
 from pdmesh.services import messages as m
+from pdmesh.services.config import DEV_MESH_SECRET, resolve
 from pdmesh.services.errors import TicketError
-from pdmesh.services.tickets import TicketVerifier, sign
+from pdmesh.services.prefill.service import PrefillService
+from pdmesh.services.tickets import TicketVerifier, grant, sign, verify_grant
 
 SECRET = "test-secret"
 
@@ -50,3 +54,96 @@ def test_wrong_secret_expired_and_wrong_worker_are_refused() -> None:
 def test_prompt_length_must_match_the_ticket() -> None:
     with pytest.raises(TicketError, match="ticket says 10"):
         TicketVerifier(SECRET, "p1", m.Role.PREFILL).verify(ticket(), prompt_len=11)
+
+
+# -- the grant: after decode reserved, admission binds prompt and reservation (issue 15) --
+
+def _reservation(**overrides: object) -> m.Reservation:
+    fields = {"reservation_id": "7f0c6a2e-3d1b-4c8e-9a55-0b1d2e3f4a5b", "epoch": 3,
+              "page_ids": [4, 5], "page_tokens": 16, "page_bytes": 64,
+              "data_address": "tcp://10.0.0.2:7000", **overrides}
+    return m.Reservation(**fields)  # type: ignore[arg-type]
+
+
+def _granted(prompt: list[int] | None = None) -> m.PrefillDispatch:
+    prompt = prompt if prompt is not None else list(range(20))
+    t = ticket(prompt_len=len(prompt))
+    r = _reservation()
+    return m.PrefillDispatch(ticket=t, prompt_ids=prompt, sampling=m.Sampling(),
+                             reservation=r, grant=grant(SECRET, t, prompt, r))
+
+
+def test_a_granted_dispatch_verifies() -> None:
+    verify_grant(SECRET, _granted())
+
+
+@pytest.mark.parametrize("change", [
+    {"data_address": "tcp://6.6.6.6:7000"}, {"epoch": 4},
+    {"reservation_id": "00000000-0000-4000-8000-000000000000"}, {"page_ids": [5, 4]},
+    {"page_bytes": 128}])
+def test_a_swapped_reservation_field_breaks_the_grant(change: dict[str, object]) -> None:
+    d = _granted()
+    forged = msgspec.structs.replace(
+        d, reservation=msgspec.structs.replace(d.reservation, **change))
+    with pytest.raises(TicketError, match="grant"):
+        verify_grant(SECRET, forged)
+
+
+def test_a_swapped_prompt_missing_grant_or_other_secret_is_refused() -> None:
+    d = _granted()
+    swapped = list(d.prompt_ids)
+    swapped[3] += 1
+    for forged in (msgspec.structs.replace(d, prompt_ids=swapped),
+                   msgspec.structs.replace(d, grant=""),
+                   msgspec.structs.replace(d, ticket=ticket(prompt_len=20))):
+        with pytest.raises(TicketError, match="grant"):
+            verify_grant(SECRET, forged)
+    with pytest.raises(TicketError, match="grant"):
+        verify_grant("another-secret", d)
+
+
+@pytest.mark.parametrize("swap", ["data_address", "epoch", "prompt"])
+async def test_prefill_refuses_a_swapped_dispatch_before_computing(
+        monkeypatch: pytest.MonkeyPatch, swap: str) -> None:
+    """A real PrefillService: the dispatch is not queued; decode gets a Release and the
+    client a StreamFailed (TICKET_INVALID), as for any refused ticket."""
+
+    svc = PrefillService(resolve("prefill", {}, {"PDMESH_WORKER_ID": "prefill-g",
+                                                 "PDMESH_KV_TOKENS": "1024"}))
+    sent: list[tuple[str, object]] = []
+
+    async def record(subject: str, msg: object, headers: object = None) -> None:
+        sent.append((subject, msg))
+
+    monkeypatch.setattr(svc.rt, "publish", record)
+    prompt = [5, 6, 7, 8, 9]
+
+    def make() -> m.PrefillDispatch:
+        t = sign(DEV_MESH_SECRET, request_id=f"r-{uuid.uuid4().hex[:6]}", tenant="t",
+                 cache_salt="s", prompt_len=len(prompt), max_tokens=4,
+                 prefill_worker="prefill-g", decode_worker="decode-x", ttl_s=30)
+        r = m.Reservation(reservation_id=str(uuid.uuid4()), epoch=3, page_ids=[0],
+                          page_tokens=svc.pool.spec.page_tokens, page_bytes=64,
+                          data_address="tcp://127.0.0.1:9")
+        return m.PrefillDispatch(ticket=t, prompt_ids=prompt, sampling=m.Sampling(),
+                                 reservation=r, grant=grant(DEV_MESH_SECRET, t, prompt, r))
+    try:
+        await svc.accept(make())  # the genuine one is queued
+        assert len(svc.queue) == 1 and not sent
+        d = make()
+        if swap == "prompt":
+            forged = msgspec.structs.replace(d, prompt_ids=[5, 6, 7, 8, 10])
+        else:
+            value = "tcp://6.6.6.6:9" if swap == "data_address" else 4
+            forged = msgspec.structs.replace(d, reservation=msgspec.structs.replace(
+                d.reservation, **{swap: value}))
+        await svc.accept(forged)
+        assert len(svc.queue) == 1  # not queued, nothing computed
+        (release_subject, release), (_, failed) = sent
+        assert release_subject == m.release_subject("decode-x")
+        assert isinstance(release, m.Release)
+        assert release.outcome.code is m.Code.TICKET_INVALID
+        assert isinstance(failed, m.StreamFailed)
+        assert failed.outcome.code is m.Code.TICKET_INVALID
+    finally:
+        await svc.transport.close()
