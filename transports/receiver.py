@@ -189,7 +189,7 @@ class ReceiveTable:
         elif h.page_index != t.num_pages or len(slot.page_checksums) != t.num_pages:
             reason = Reason.INCOMPLETE
             detail = f"{len(slot.page_checksums)} of {t.num_pages} pages written"
-        elif h.payload_checksum != commit_digest([slot.page_checksums[i]
+        elif h.payload_checksum != commit_digest([slot.page_checksums.get(i, 0)
                                                    for i in range(t.num_pages)]):
             reason, detail = Reason.BAD_CHECKSUM, "commit digest mismatch"
         if reason is not Reason.OK:

@@ -46,7 +46,13 @@ MUTATIONS = [
              "                decision = self.policy.decide(req, prefills, decodes, headers)",
              "                decision = Admitted(prefill=prefills[0], decode=decodes[0])",
              (ISO + "test_admission_guards.py::"
-              "test_over_capacity_prompt_is_rejected_before_any_worker_hears_of_it",)),
+              "test_over_capacity_prompt_is_rejected_before_any_worker_hears_of_it",),
+             # The gateway applies the same context rule before any control message: a
+             # layer in front of this one, removed with it.
+             more=(("gateway/app.py",
+                    "            over = context_rejection(len(ids), max_tokens, "
+                    "self.served_context() or 1 << 62)",
+                    "            over = None"),)),
     Mutation("capacity-audit", "start-up audit clamps context to the real pool (I5)",
              "services/capacity.py", "    if configured_context <= pool_capacity_tokens:",
              "    if True:",
@@ -58,8 +64,9 @@ MUTATIONS = [
              '    return ""\n',
              (ISO + "test_admission_guards.py::"
               "test_admission_bypassed_the_workers_still_refuse",)),
-    # Four checks stop the 1-token stub (frame token count, commit token count, commit
-    # coverage, the sender's check of the ACK); the mutation removes all of them.
+    # Five checks stop the 1-token stub (frame token count, commit token count, commit
+    # coverage, the commit digest over every expected page, the sender's check of the ACK);
+    # the mutation removes all of them.
     Mutation("commit-verification", "commit needs the announced token count and every page "
              "(the incident's 1-token stub)", "transports/receiver.py",
              "        elif h.token_count != t.num_tokens:\n"
@@ -81,7 +88,13 @@ MUTATIONS = [
                     "        elif False:\n            pass"),
                    ("transports/core.py", "h.kind is Kind.ACK and h.reservation == key and "
                     "h.token_count == plan.num_tokens", "h.kind is Kind.ACK and "
-                    "h.reservation == key"))),
+                    "h.reservation == key"),
+                   # The digest covers every expected page, so a missing one fails it too.
+                   ("transports/receiver.py",
+                    "        elif h.payload_checksum != commit_digest("
+                    "[slot.page_checksums.get(i, 0)\n",
+                    "        elif False and h.payload_checksum != commit_digest("
+                    "[slot.page_checksums.get(i, 0)\n"))),
     # Per-page checks and the commit digest back each other up: disable the hash itself.
     Mutation("checksum", "XXH3-64 checksums of every page (and the commit digest)",
              "transports/framing.py",
