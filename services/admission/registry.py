@@ -3,7 +3,8 @@
 A worker that stops heartbeating leaves the registry after `ttl_s`. A decode worker whose
 advertised data address a prefill could not connect to (`set_aside`) is left out of routing
 while it keeps that address, for `UNREACHABLE_COOLDOWN_S` (then it is tried again: the
-network may have healed); a new address ends the exclusion at once. Admission reads live
+network may have healed); a new address, or its return after it expired (it stopped
+heartbeating: a host cut off and back), ends the exclusion at once. Admission reads live
 capacity from here, never from configuration (invariant I5). Between heartbeats admission
 charges its own reservations against the cached free figure (and queue depth) so a burst of
 requests does not all pick the same worker on a stale view.
@@ -69,6 +70,10 @@ class CapacityRegistry:
         if beat.draining or not beat.ready:
             self._workers.pop(key, None)
             return
+        if key not in self._workers:
+            # New, or back after it expired (a host that was cut off returns): whatever was
+            # unreachable before is tried again at once.
+            self._set_aside.pop(beat.worker_id, None)
         self._workers[key] = _Entry(beat, time.monotonic() if now is None else now,
                                     prefix_set=frozenset(beat.prefix_hashes))
 

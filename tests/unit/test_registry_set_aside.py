@@ -36,3 +36,15 @@ def test_a_new_address_ends_the_exclusion_at_once():
     assert ids(reg, 1.0) == []
     reg.observe(beat("d1", "tcp://10.0.0.1:9000"), now=2.0)
     assert ids(reg, 2.0) == ["d1"]
+
+
+def test_a_worker_back_after_it_expired_is_tried_again_at_once():
+    """A decode host cut off (heartbeats stop, the worker expires) and back: the exclusion
+    earned while it was unreachable ends with its return, not after the cooldown."""
+    reg = CapacityRegistry(ttl_s=2.0)
+    reg.observe(beat("d1", "tcp://10.0.0.1:9000"), now=0.0)
+    reg.set_aside("d1", "tcp://10.0.0.1:9000", now=1.0)
+    assert ids(reg, 1.5) == []
+    assert ids(reg, 5.0) == []  # expired meanwhile
+    reg.observe(beat("d1", "tcp://10.0.0.1:9000"), now=6.0)  # the link is back
+    assert ids(reg, 6.0) == ["d1"]
