@@ -26,8 +26,9 @@ DEV_KEYS = {"alice": "sk-dev-alice", "bob": "sk-dev-bob", "carol": "sk-dev-carol
 class NatsServer:
     """A real nats-server on a free loopback port; can be stopped and restarted."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, config: Path | None = None) -> None:
         self.port = port or free_port()
+        self.config = config  # a nats-server config file (authorization, TLS), if any
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -35,7 +36,8 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> NatsServer:
-        self.proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p",
+        config = ["--config", str(self.config)] if self.config else []
+        self.proc = subprocess.Popen([nats_server_binary(), *config, "-a", "127.0.0.1", "-p",
                                       str(self.port)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -51,6 +53,28 @@ class NatsServer:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+
+
+def http_json(url: str, method: str, body: object | None = None, *, key: str | None = None,
+              timeout: float = 60, raw: bytes | None = None,
+              headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """One HTTP call with a JSON body (or `raw` bytes); (status, parsed JSON reply)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        payload = exc.read()
+        try:
+            return exc.code, json.loads(payload)
+        except ValueError:
+            return exc.code, {"raw": payload.decode(errors="replace")}
 
 
 @dataclass
@@ -83,23 +107,8 @@ class Mesh:
              key: str | None = "sk-dev-alice", timeout: float = 60,
              raw: bytes | None = None, headers: dict[str, str] | None = None
              ) -> tuple[int, dict]:
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        req = urllib.request.Request(f"http://127.0.0.1:{self.gateway_port}{path}", data=data,
-                                     method=method)
-        req.add_header("Content-Type", "application/json")
-        if key:
-            req.add_header("Authorization", f"Bearer {key}")
-        for k, v in (headers or {}).items():
-            req.add_header(k, v)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            payload = exc.read()
-            try:
-                return exc.code, json.loads(payload)
-            except ValueError:
-                return exc.code, {"raw": payload.decode(errors="replace")}
+        return http_json(f"http://127.0.0.1:{self.gateway_port}{path}", method, body,
+                         key=key, timeout=timeout, raw=raw, headers=headers)
 
     def nats_url_for(self, name: str) -> str:
         """The NATS URL with the credentials of process `name` (e.g. `admission`,

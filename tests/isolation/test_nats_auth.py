@@ -28,7 +28,7 @@ from pdmesh.services import messages as m
 from pdmesh.services import natsauth
 from pdmesh.services.launcher import free_port, nats_server_binary
 from tests.isolation.meshstats import heartbeats, worker_stats
-from tests.meshproc import Mesh
+from tests.meshproc import Mesh, NatsServer
 
 
 class Client:
@@ -137,21 +137,11 @@ def _env(path: Path) -> dict[str, str]:
 def compose_nats(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A real nats-server run as compose runs it: `--config` the written nats.conf."""
     assert natsauth.main(["--out", str(tmp_path)]) == 0
-    port = free_port()
-    proc = subprocess.Popen([nats_server_binary(), "--config", str(tmp_path / "nats.conf"),
-                             "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = NatsServer(config=tmp_path / "nats.conf").start()
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port),
-                                                                         timeout=0.2):
-                break
-            time.sleep(0.05)
-        yield f"nats://127.0.0.1:{port}", tmp_path
+        yield server.url, tmp_path
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def test_compose_secrets_refuse_strangers_and_keep_roles_apart(

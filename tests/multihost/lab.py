@@ -42,6 +42,7 @@ from pdmesh.services import certs, natsauth
 from pdmesh.services import messages as m
 from pdmesh.services.launcher import nats_server_binary
 from tests.isolation import meshstats
+from tests.meshproc import http_json
 from tests.multihost.netns import Host, NetnsThreads, Switch, command_in
 
 REPO = Path(__file__).resolve().parents[2]
@@ -392,18 +393,7 @@ class Lab:
 
 def _request(url: str, method: str, body: object | None, key: str,
              timeout: float) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        payload = exc.read()
-        try:
-            return exc.code, json.loads(payload)
-        except ValueError:
-            return exc.code, {"raw": payload.decode(errors="replace")}
+    return http_json(url, method, body, key=key, timeout=timeout)
 
 
 @dataclass

@@ -5,14 +5,11 @@ for those (threat: a client that trusts the mesh's CA talks to a server of anoth
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import socket
 import ssl
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +17,7 @@ import nats
 import pytest
 
 from pdmesh.services import certs
-from pdmesh.services.launcher import free_port, nats_server_binary
+from pdmesh.services.launcher import free_port
 from tests.meshproc import NatsServer
 
 
@@ -36,21 +33,11 @@ def tls_nats(made: Path) -> Iterator[int]:
     conf = made / "tls.conf"
     conf.write_text(f'tls {{ cert_file: "{made / certs.SERVER_CERT}", '
                     f'key_file: "{made / certs.SERVER_KEY}" }}\n')
-    port = free_port()
-    proc = subprocess.Popen([nats_server_binary(), "--config", str(conf), "-a", "127.0.0.1",
-                             "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    server = NatsServer(config=conf).start()
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port),
-                                                                         timeout=0.2):
-                break
-            time.sleep(0.05)
-        yield port
+        yield server.port
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def _connect(port: int, ctx: ssl.SSLContext, hostname: str | None = None) -> str:
