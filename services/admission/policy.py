@@ -7,6 +7,7 @@ reserves or dispatches (those take an `Admitted`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -69,7 +70,8 @@ class LivePolicy:
 
     def decide(self, req: SubmitRequest, prefills: list[WorkerView],
                decodes: list[WorkerView], headers: Mapping[str, str]) -> Admitted | Rejected:
-        return decide(len(req.prompt_ids), req.max_tokens, prefills, decodes)
+        return decide(len(req.prompt_ids), req.max_tokens, prefills, decodes,
+                      spread=req.request_id)
 
     def dispatch_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
         return None
@@ -82,6 +84,14 @@ def prefill_cost(prompt_len: int, worker: WorkerView) -> int:
     queue depth alone, as before."""
     cached = min(max(worker.cached_prefix_tokens, 0), max(prompt_len - 1, 0))
     return (worker.queue_depth + 1) * prompt_len - cached
+
+
+def tie_break(spread: str, worker_id: str) -> int:
+    """Rendezvous order of equally good workers for one request: a stable, per-request
+    shuffle, so an idle mesh spreads requests over every equal worker instead of sending
+    all of them to the same one (a worker id as the tie-break did exactly that)."""
+    digest = hashlib.blake2b(f"{spread}\0{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 def context_rejection(prompt_len: int, max_tokens: int, context: int) -> Rejected | None:
@@ -97,10 +107,12 @@ def context_rejection(prompt_len: int, max_tokens: int, context: int) -> Rejecte
 
 
 def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
-           decodes: list[WorkerView]) -> Admitted | Rejected:
+           decodes: list[WorkerView], spread: str = "") -> Admitted | Rejected:
     """Admit to the least-loaded pair that can hold the request now, or reject with a reason.
     The prefill worker is the one with the least work ahead of this request's first token
-    (`prefill_cost`: queue depth less its cached prefix of this request).
+    (`prefill_cost`: queue depth less its cached prefix of this request), the decode
+    worker the one with the most free KV, then the fewest requests in flight; among equals
+    the order is `tie_break(spread, worker)` (admission passes the request id).
 
     Order of checks matters for the message a client sees: static limits (context, pool
     sizes) first, so an over-long prompt is always `context_length_exceeded`-class and
@@ -143,6 +155,8 @@ def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
                             "all decode workers are busy; retry later")
         prefill_now = prefill_ok
     prefill = min(prefill_now, key=lambda p: (prefill_cost(prompt_len, p), p.queue_depth,
-                                              -p.available_tokens, p.worker_id))
-    decode = max(decode_now, key=lambda d: (d.available_tokens, d.worker_id))
+                                              -p.available_tokens,
+                                              tie_break(spread, p.worker_id)))
+    decode = min(decode_now, key=lambda d: (-d.available_tokens, d.queue_depth,
+                                            tie_break(spread, d.worker_id)))
     return Admitted(prefill=prefill, decode=decode)

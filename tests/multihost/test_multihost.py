@@ -208,14 +208,10 @@ def _wait_routable(lab: Lab, worker_id: str, timeout_s: float = 10) -> None:
 
 
 # -- scenario 3 ---------------------------------------------------------------------------
-# Known regression (found at the end of session 2, not yet explained): everything up to the
-# link's return passes (the cut host's streams fail fast, decode2's finish, admission routes
-# around the cut host), but after `restore` no request lands on the returning host within
-# 30 s. It passed before the NATS TLS/credentials and data-plane auth work landed; ruled
-# out: admission's set-aside of unreachable workers and `dont_randomize`. Non-strict so the
-# rest of the scenario keeps running in CI; see the session notes.
-@pytest.mark.xfail(strict=False, reason="the returning decode host is not routed to again "
-                   "within 30 s (regression under investigation)")
+# After the link returns the host must be routed to again. (This once failed for a reason
+# outside the network: admission broke ties between equal idle decode workers by worker id,
+# so sequential requests on an idle mesh all went to decode2; see
+# tests/unit/test_admission_policy.py::test_equal_idle_workers_share_the_requests.)
 def test_decode_host_cut_off_mid_stream(mesh: Lab) -> None:
     streams: dict[str, list[Stream]] = {w: [] for w in DECODE_H3 + DECODE_H4}
     prompts: dict[str, str] = {}

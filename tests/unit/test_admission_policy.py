@@ -71,3 +71,22 @@ def test_picks_the_decode_with_most_free_pages() -> None:
     d2 = worker("d2", 4096, 4096, 16, 0.9)
     got = decide(100, 10, [p], [d1, d2])
     assert isinstance(got, Admitted) and got.decode.worker_id == "d2"
+
+
+def test_equal_idle_workers_share_the_requests() -> None:
+    # Regression (multi-host scenario 3): with the worker id as the tie-break, an idle mesh
+    # sent every request to the same decode worker, so a worker that came back after a cut
+    # was never routed to again. Equal workers now get a per-request share of the traffic.
+    prefills = [worker(f"p{i}", 4096, 4096, 16, 1.0) for i in range(2)]
+    decodes = [worker(f"d{i}", 4096, 4096, 16, 1.0) for i in range(3)]
+    picked: dict[str, int] = {}
+    for n in range(300):
+        got = decide(100, 10, prefills, decodes, spread=f"req-{n}")
+        assert isinstance(got, Admitted)
+        picked[got.decode.worker_id] = picked.get(got.decode.worker_id, 0) + 1
+        picked[got.prefill.worker_id] = picked.get(got.prefill.worker_id, 0) + 1
+        # The same request is always routed the same way (a pure function).
+        again = decide(100, 10, prefills, decodes, spread=f"req-{n}")
+        assert isinstance(again, Admitted) and again.decode == got.decode
+    assert all(60 <= picked[f"d{i}"] <= 140 for i in range(3)), picked
+    assert all(100 <= picked[f"p{i}"] <= 200 for i in range(2)), picked
