@@ -14,7 +14,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from pdmesh.services import messages as m
@@ -22,6 +24,8 @@ from pdmesh.services.runtime import ServiceRuntime
 
 log = logging.getLogger("pdmesh.gateway")
 POLL_S = 0.1  # how often a waiting request checks that its client is still there
+SUBMIT_OVERHEAD_BYTES = 1024  # subject, reply inbox and headers on top of the message
+PHASE_LINGER_S = 2.0  # a finished request's stream waits this long for prefill's timing
 
 
 class MeshRejected(Exception):
@@ -51,6 +55,36 @@ class MeshUnavailable(Exception):
     """Admission did not answer (no responders or timeout)."""
 
 
+class RequestStalled(TimeoutError):
+    """No event of this request for too long: before its first token, no progress from
+    prefill for --prefill-stall-s; after it, no token for --request-timeout-s."""
+
+    def __init__(self, sub: Submission, silent_s: float) -> None:
+        if sub.got_first_token:
+            what = (f"no token for {silent_s:.1f}s from decode worker {sub.decode_worker} "
+                    "(--request-timeout-s)")
+        else:
+            done, total = sub.progress
+            what = (f"no progress for {silent_s:.1f}s from prefill worker "
+                    f"{sub.prefill_worker or '?'} (--prefill-stall-s; last reported "
+                    f"{done}/{total} prompt tokens)")
+        super().__init__(f"request {sub.request_id} stalled: {what}")
+        self.request_id = sub.request_id
+
+
+class MeshTooLarge(Exception):
+    """The request's control message is over the NATS server's max payload. The mesh's own
+    servers accept any prompt up to natsauth.MAX_CONTEXT_TOKENS (their `max_payload` is set
+    for it), so this means a NATS configured with a smaller limit, or a body with an outsize
+    list (stop_token_ids): a clear 413, never a 500, and nothing was sent."""
+
+    def __init__(self, request_id: str, size: int, limit: int) -> None:
+        super().__init__(f"the request's control message is {size} bytes, over the mesh's "
+                         f"NATS max_payload of {limit} bytes; send a shorter prompt or fewer "
+                         f"token ids, or raise max_payload on the mesh's NATS server")
+        self.request_id, self.size, self.limit = request_id, size, limit
+
+
 @dataclass
 class Submission:
     request_id: str
@@ -63,12 +97,16 @@ class Submission:
     admitted_at: float | None = None  # time.monotonic() of admission's answer
     # The first token's logprobs: sampled on prefill, which sends them in FirstTokenLogprobs.
     first_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    progress: tuple[int, int] = (0, 0)  # prefill's last (done_tokens, total_tokens)
+    timing_seen: bool = False  # prefill's PhaseTiming arrived (and was observed)
 
 
 class MeshClient:
-    def __init__(self, rt: ServiceRuntime, submit_timeout_s: float) -> None:
+    def __init__(self, rt: ServiceRuntime, submit_timeout_s: float,
+                 on_phase_timing: Callable[[m.PhaseTiming], None] | None = None) -> None:
         self.rt = rt
         self.submit_timeout_s = submit_timeout_s
+        self.on_phase_timing = on_phase_timing  # called once per request that reports one
         self._decoder: m.Decoder[m.StreamEvent] = m.Decoder(m.StreamEvent)
         self._inflight: dict[str, Submission] = {}
         rt.on_reconnect(self._fail_inflight)
@@ -88,6 +126,11 @@ class MeshClient:
                      headers: dict[str, str] | None = None) -> AsyncIterator[Submission]:
         """Admit the request or raise MeshRejected/MeshUnavailable; yield its event queue.
         `headers` go on the NATS submit (only a test mesh's fault header uses them)."""
+        # Checked before anything is sent or subscribed: nats-py raises MaxPayloadError
+        # only after it registered the reply future (which then stays behind).
+        size, limit = len(m.encode(req)) + SUBMIT_OVERHEAD_BYTES, self.rt.nc.max_payload
+        if size > limit:
+            raise MeshTooLarge(req.request_id, size, limit)
         queue: asyncio.Queue[m.LocalStreamEvent] = asyncio.Queue()
         sub_state = Submission(request_id=req.request_id, events=queue)
 
@@ -105,6 +148,9 @@ class MeshClient:
                                               self.submit_timeout_s, headers=headers)
             except TimeoutError as exc:
                 raise MeshUnavailable(str(exc)) from None
+            except nats.errors.MaxPayloadError:  # headers larger than allowed for
+                raise MeshTooLarge(req.request_id, len(m.encode(req)),
+                                   self.rt.nc.max_payload) from None
             if isinstance(reply, m.Rejected):
                 raise MeshRejected(reply)
             sub_state.admitted_at = time.monotonic()
@@ -113,8 +159,12 @@ class MeshClient:
             yield sub_state
         finally:
             self._inflight.pop(req.request_id, None)
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            if (sub_state.finished and not sub_state.timing_seen
+                    and sub_state.prefill_worker != sub_state.decode_worker):
+                self.rt.spawn(self._linger(sub_state, sub), f"linger:{req.request_id}")
+            else:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
             if not sub_state.finished:
                 # Anything but a clean finish (client gone, deadline, stop string, error
                 # already reported) tells every worker to let go now.
@@ -123,26 +173,31 @@ class MeshClient:
                         request_id=req.request_id, outcome=m.Outcome(
                             code=m.Code.ABORTED, detail="gateway ended the request")))
 
-    async def tokens(self, sub: Submission, deadline_s: float, alive: Callable[[], bool],
+    async def tokens(self, sub: Submission, stall_s: float, idle_s: float,
+                     alive: Callable[[], bool],
                      dead_worker: Callable[[Submission], str]) -> AsyncIterator[m.TokenEvent]:
         """Yield token events in order until one has a finish reason.
 
-        Raises MeshFailed (a worker failed, or one serving this request stopped
-        heartbeating: `dead_worker`), TimeoutError (deadline) or ClientGone (`alive` turned
-        false). Both are checked every `POLL_S` whether or not tokens are flowing: a client
-        that leaves a non-streaming request (nothing is written to it until the end) or a
-        worker killed mid-stream is noticed at once, not after max_tokens or the deadline.
+        Liveness is progress, not a fixed end-to-end deadline (a long prompt with a long
+        generation runs as long as it moves): until the first token, the request ends when
+        the mesh sent nothing for it (prefill's `PrefillProgress` comes at least every
+        heartbeat) for `stall_s`; after it, when no event came for `idle_s` (0: never).
+        Raises RequestStalled (either), MeshFailed (a worker failed, or one serving this
+        request stopped heartbeating: `dead_worker`) or ClientGone (`alive` turned false).
+        Both are checked every `POLL_S` whether or not tokens are flowing: a client that
+        leaves a non-streaming request (nothing is written to it until the end) or a worker
+        killed mid-stream is noticed at once, not after max_tokens or a deadline.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + deadline_s
-        next_check = loop.time() + POLL_S
+        last_event = loop.time()
+        next_check = last_event + POLL_S
         expected_seq = 0
         pending: dict[int, m.TokenEvent] = {}
         while True:
             now = loop.time()
-            remaining = deadline - now
-            if remaining <= 0:
-                raise TimeoutError(f"request {sub.request_id} exceeded {deadline_s:g}s")
+            limit_s = idle_s if sub.got_first_token else stall_s
+            if limit_s > 0 and now - last_event >= limit_s:
+                raise RequestStalled(sub, now - last_event)
             if now >= next_check:
                 next_check = now + POLL_S
                 if not alive():
@@ -153,9 +208,10 @@ class MeshClient:
                     raise MeshFailed(m.Outcome(code=m.Code.PEER_RELEASED,
                                                detail=f"worker {gone} stopped heartbeating"))
             try:
-                ev = await asyncio.wait_for(sub.events.get(), min(remaining, next_check - now))
+                ev = await asyncio.wait_for(sub.events.get(), max(next_check - now, 0.001))
             except TimeoutError:
                 continue
+            last_event = loop.time()
             match ev:
                 case m.StreamFailed(outcome=outcome):
                     # Not marked finished: the abort that follows makes sure the other side
@@ -171,6 +227,12 @@ class MeshClient:
                     # Prefill's logprobs of the first token (decode's seq 0 carries none).
                     sub.first_logprobs = logprobs
                     continue
+                case m.PrefillProgress(done_tokens=done, total_tokens=total):
+                    sub.progress = (done, total)  # its arrival is what keeps us waiting
+                    continue
+                case m.PhaseTiming():
+                    self._timing_seen(sub, ev)
+                    continue
             pending[ev.seq] = ev
             sub.got_first_token = True
             while expected_seq in pending:
@@ -181,3 +243,27 @@ class MeshClient:
                 yield cur
                 if cur.finish is not None:
                     return
+
+    def _timing_seen(self, sub: Submission, timing: m.PhaseTiming) -> None:
+        if not sub.timing_seen:
+            sub.timing_seen = True
+            if self.on_phase_timing is not None:
+                self.on_phase_timing(timing)
+
+    async def _linger(self, sub: Submission, nats_sub: Any) -> None:
+        """Wait up to PHASE_LINGER_S for a finished request's PhaseTiming (prefill sends it
+        after decode's ack, which races decode's tokens), then unsubscribe."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + PHASE_LINGER_S
+        try:
+            while (left := until - loop.time()) > 0:
+                try:
+                    ev = await asyncio.wait_for(sub.events.get(), left)
+                except TimeoutError:
+                    return
+                if isinstance(ev, m.PhaseTiming):
+                    self._timing_seen(sub, ev)
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await nats_sub.unsubscribe()

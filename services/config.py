@@ -105,6 +105,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("transfer_deadline_s", "--transfer-deadline-s", "PDMESH_TRANSFER_DEADLINE_S", float,
             30.0, "Deadline for prefill + KV transfer of one request (decode frees the lease "
             "after it; aborts and peer failures free it at once)."),
+    Setting("prefill_stall_s", "--prefill-stall-s", "PDMESH_PREFILL_STALL_S", float, 20.0,
+            "Liveness by progress: decode frees a reservation, and the gateway ends a request "
+            "waiting for its first token, when prefill has reported no progress for it "
+            "(queued, a chunk computed) for this long. A dead or cut-off worker is caught "
+            "sooner by its heartbeats (--worker-ttl-s)."),
     Setting("ticket_ttl_s", "--ticket-ttl-s", "PDMESH_TICKET_TTL_S", float, 30.0,
             "Lifetime of an admission ticket."),
     Setting("nats_connect_timeout_s", "--nats-connect-timeout-s",
@@ -160,6 +165,7 @@ class ServiceConfig:
     queue_timeout_s: float
     reserve_timeout_s: float
     transfer_deadline_s: float
+    prefill_stall_s: float
     ticket_ttl_s: float
     nats_connect_timeout_s: float
     max_body_bytes: int
@@ -294,7 +300,7 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
     if cfg.torch_threads < 0:
         raise ConfigError("torch_threads", cfg.torch_threads, "must be >= 0")
     for field in ("heartbeat_s", "worker_ttl_s", "queue_timeout_s", "reserve_timeout_s",
-                  "transfer_deadline_s", "ticket_ttl_s", "nats_connect_timeout_s",
+                  "transfer_deadline_s", "prefill_stall_s", "ticket_ttl_s", "nats_connect_timeout_s",
                   "request_timeout_s"):
         if not getattr(cfg, field) > 0:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")

@@ -250,6 +250,35 @@ class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):
     outcome: Outcome
 
 
+class PrefillProgress(msgspec.Struct, frozen=True, kw_only=True, tag="prefill_progress"):
+    """Prefill -> decode (on its release subject) and -> gateway (on the token stream): the
+    prefill still holds this request and is making progress. Sent when a dispatch is
+    queued, after every prefill chunk, and every heartbeat for each request it holds while
+    its engine is not stalled. Liveness is progress, not a fixed deadline: decode keeps a
+    reservation and the gateway keeps waiting for the first token while these arrive."""
+
+    request_id: str
+    reservation_id: str
+    done_tokens: int  # prompt tokens whose KV is computed (cached ones included)
+    total_tokens: int
+
+
+ToDecode = Release | PrefillProgress
+
+
+class PhaseTiming(msgspec.Struct, frozen=True, kw_only=True, tag="phase_timing"):
+    """Prefill -> gateway, after decode acked the KV: where the time before the first
+    token went on the prefill side. `transfer_s` runs from the first page sent to the ack;
+    `exposed_transfer_s` is the part of it after the last chunk was computed (what the
+    transfer adds to the time to first token when pages stream as they are computed)."""
+
+    request_id: str
+    queue_s: float  # dispatch received -> first chunk started
+    prefill_s: float  # first chunk started -> last chunk computed
+    transfer_s: float
+    exposed_transfer_s: float
+
+
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
     """Broadcast: every worker holding anything for `request_id` frees it."""
 
@@ -273,6 +302,9 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     # top k]). The first token is sampled on prefill, which sends its logprobs in a
     # `FirstTokenLogprobs` event before the KV goes out (decode's seq 0 carries none).
     logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+    # On seq 0 only: decode's own part of the time to first token, from the verified
+    # commit of the prompt's KV to this event's publication (seconds).
+    decode_first_token_s: float | None = None
 
 
 class FirstTokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, tag="first_logprobs"):
@@ -308,7 +340,8 @@ class StreamInterrupted(msgspec.Struct, frozen=True, kw_only=True, tag="interrup
     detail: str
 
 
-StreamEvent = TokenEvent | StreamFailed | PrefixCacheInfo | FirstTokenLogprobs
+StreamEvent = (TokenEvent | StreamFailed | PrefixCacheInfo | FirstTokenLogprobs
+               | PrefillProgress | PhaseTiming)
 LocalStreamEvent = StreamEvent | StreamInterrupted
 
 
