@@ -87,7 +87,8 @@ class AdmissionService:
 
     async def _on_heartbeat(self, beat: m.Heartbeat, _msg: Msg) -> None:
         if beat.role in (m.Role.PREFILL, m.Role.DECODE):
-            if beat.capacity_mismatch:
+            if beat.capacity_mismatch and self.registry.get(beat.worker_id) is None:
+                # Once per worker joining (not every heartbeat): the worker logs it too.
                 log.warning("worker %s serves a clamped context: configured %d > pool %d",
                             beat.worker_id, beat.configured_context, beat.pool_capacity_tokens)
             self.registry.observe(beat)
