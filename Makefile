@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2
 ARGS ?=
 
-.PHONY: up test test-fast test-compose test-multihost lint bench clean venv
+.PHONY: up test test-fast test-compose test-multihost test-long lint bench clean venv
 
 $(VENV)/bin/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pdmesh needs Python >= 3.11 (3.11 is what CI tests; README: Supported Python); $(PYTHON) is " + sys.version.split()[0])'
@@ -19,10 +19,11 @@ $(VENV)/.installed-run: $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q -e .
 	touch $@
 
-# The UCX extra is chosen after torch is in, to match its CUDA stack (pyproject.toml).
+# The UCX extra is chosen after torch is in, to match its CUDA stack (pyproject.toml); the
+# NIXL extra (CUDA 12 builds) comes with the CUDA 12 one.
 $(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q -e ".[$$($(PY) -c 'import torch; print("ucx-cu13" if (torch.version.cuda or "").startswith("13") else "ucx")')]"
+	$(PIP) install -q -e ".[$$($(PY) -c 'import torch; print("ucx-cu13" if (torch.version.cuda or "").startswith("13") else "ucx,nixl")')]"
 	touch $@ $(VENV)/.installed-run
 
 venv: $(VENV)/.installed-run
@@ -53,6 +54,12 @@ test-multihost: $(VENV)/.installed-test
 	  echo "!!!!!! make test-multihost: SKIPPED: network namespaces cannot be created here" \
 	       "(needs root and CAP_NET_ADMIN); the multi-host scenarios did NOT run !!!!!!" >&2; \
 	fi
+
+## make test-long: long-context scenarios (tiny model at 32k tokens: minutes of prefill on
+## two cores), kept out of `make test` for its time budget.
+test-long: $(VENV)/.installed-test
+	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
+	  tests/gateway/test_gateway_long_context.py $(ARGS)
 
 ## make test-compose: build the image and run the lab stack for real under dockerd (root).
 test-compose: $(VENV)/.installed-test

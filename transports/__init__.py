@@ -1,6 +1,6 @@
-"""KV data plane: the `KVTransport` Protocol, framing, TCP and UCX implementations.
+"""KV data plane: the `KVTransport` Protocol, framing, TCP, UCX and NIXL implementations.
 
-    transport = make_transport("tcp")          # or "ucx"
+    transport = make_transport("tcp")          # or "ucx", "nixl"
     address = await transport.start()           # advertise this in heartbeats
 
 Tests and test meshes that inject data-plane faults build the transport with
@@ -14,6 +14,7 @@ from .base import (
     POISON_BYTE,
     ExpectedTransfer,
     KVTransport,
+    PagesReady,
     TransferAck,
     TransferPlan,
     TransferResult,
@@ -23,12 +24,12 @@ from .errors import FrameError, Reason, TransferError
 from .faults import FaultInjectingTransport, FaultPlan
 from .tcp import TcpTransport
 
-KINDS = ("tcp", "ucx")
+KINDS = ("tcp", "ucx", "nixl")
 
 
 def make_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *,
                    faults: bool = False, **options) -> KVTransport:
-    """Build a transport by kind (`tcp` or `ucx`). Options go to the constructor
+    """Build a transport by kind (`tcp`, `ucx` or `nixl`). Options go to the constructor
     (progress_timeout_s, on_event). With `faults=True` (tests and test meshes only) the
     transport comes wrapped in a `FaultInjectingTransport`."""
     if faults:
@@ -47,11 +48,21 @@ def make_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *,
                 f"import failed: {ucx_import_error}"
             )
         return UcxTransport(host, port, **options)
+    if kind == "nixl":
+        # Lazy too: NIXL (and its bundled UCX) loads only where a NIXL transport is used.
+        from .nixl import NixlTransport, nixl_import_error
+
+        if nixl_import_error is not None:
+            raise RuntimeError(
+                "transport 'nixl' needs NIXL (pip install 'pdmesh[nixl]'); "
+                f"import failed: {nixl_import_error}"
+            )
+        return NixlTransport(host, port, **options)
     raise ValueError(f"unknown transport kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
 __all__ = [
     "KINDS", "POISON_BYTE", "ExpectedTransfer", "FaultInjectingTransport", "FaultPlan",
-    "FrameError", "KVTransport", "Reason", "TransferAck", "TransferError", "TransferPlan",
-    "TransferResult", "TransportStats", "make_transport",
+    "FrameError", "KVTransport", "PagesReady", "Reason", "TransferAck", "TransferError",
+    "TransferPlan", "TransferResult", "TransportStats", "make_transport",
 ]

@@ -16,6 +16,8 @@ import socket
 import struct
 from collections.abc import Iterable
 
+from .errors import LinkIdle
+
 _IOV_BATCH = 512  # below IOV_MAX (1024 on Linux)
 
 
@@ -51,14 +53,20 @@ class RawSocket:
         await self._wait(self.loop.add_reader, self.loop.remove_reader, progress_s)
 
     async def recv_exact(self, view: memoryview, progress_s: float | None,
-                         eof_ok: bool = False) -> bool:
-        """Fill `view`. Returns False on a clean EOF before the first byte when eof_ok."""
+                         eof_ok: bool = False, idle: bool = False) -> bool:
+        """Fill `view`. Returns False on a clean EOF before the first byte when eof_ok.
+        idle: no first byte within progress_s raises LinkIdle (nothing was consumed)."""
         pos, total = 0, view.nbytes
         while pos < total:
             try:
                 n = self.sock.recv_into(view[pos:])
             except (BlockingIOError, InterruptedError):
-                await self.wait_readable(progress_s)
+                try:
+                    await self.wait_readable(progress_s)
+                except StalledError:
+                    if idle and pos == 0:
+                        raise LinkIdle(f"nothing for {progress_s}s") from None
+                    raise
                 continue
             if n == 0:
                 if pos == 0 and eof_ok:

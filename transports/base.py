@@ -114,6 +114,80 @@ class TransportStats:
     )
 
 
+class ProducerFailed(Exception):
+    """`PagesReady.wait` when the producer gave up before the pages asked for were final;
+    `cause` is what it passed to `fail()`. `send()` turns it into TransferError(ABORTED)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the producer of the pages failed: {cause!r}")
+        self.cause = cause
+
+
+class PagesReady:
+    """Sender side: how many of a transfer's pages are final (streamed send, issue 16).
+
+    The transport builds (checksums) and sends page i only after pages [0, i] are final;
+    the commit goes after all of them. The producer (prefill) calls `advance(n)` after each
+    chunk whose pages [0, n) it will not write again, and `fail(exc)` when it gives up; a
+    send waiting for pages then raises TransferError(ABORTED) and closes its link (the
+    receiver's expectation fails PEER_LOST; no byte lands in a page that was not final).
+    Not thread-safe: call it from the event loop's thread (`loop.call_soon_threadsafe`
+    from a compute thread)."""
+
+    def __init__(self, total: int, ready: int = 0) -> None:
+        if total <= 0:
+            raise ValueError(f"total must be positive, got {total}")
+        self.total = total
+        self._ready = max(0, min(ready, total))
+        self._failure: BaseException | None = None
+        self._changed = asyncio.Event()
+        # Set by complete(): the commit's first token, known only after the last chunk.
+        self.first_token: int | None = None
+
+    @property
+    def ready(self) -> int:
+        return self._ready
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def advance(self, n: int) -> None:
+        """Pages [0, n) are final. Monotonic (a smaller n changes nothing), clamped to
+        `total`; ignored after `fail()`."""
+        n = min(int(n), self.total)
+        if n > self._ready and self._failure is None:
+            self._ready = n
+            self._wake()
+
+    def complete(self, first_token: int) -> None:
+        """Every page is final and the commit carries `first_token` (a streamed send's
+        commit takes it instead of the plan's, which was made before it was sampled)."""
+        if self._failure is None:
+            self.first_token = first_token
+        self.advance(self.total)
+
+    def fail(self, exc: BaseException) -> None:
+        """The producer gave up: a send waiting for pages that are not final raises
+        TransferError(ABORTED). The first failure stands; pages already final stay so."""
+        if self._failure is None and self._ready < self.total:
+            self._failure = exc
+            self._wake()
+
+    async def wait(self, n: int) -> None:
+        """Return once pages [0, n) are final (n is clamped to `total`); ProducerFailed if
+        the producer failed before that."""
+        n = min(n, self.total)
+        while self._ready < n:
+            if self._failure is not None:
+                raise ProducerFailed(self._failure)
+            await self._changed.wait()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
 # on_event(event, reservation_id, reason): event is one of "committed", "failed", "sent",
 # "send_failed", "rejected_frame". Called synchronously; it must not block or raise.
 EventCallback = Callable[[str, str, Reason | None], None]
@@ -145,11 +219,18 @@ class KVTransport(Protocol):
         ...
 
     async def send(
-        self, address: str, plan: TransferPlan, page_buffers: Sequence[memoryview]
+        self, address: str, plan: TransferPlan, page_buffers: Sequence[memoryview],
+        ready: PagesReady | None = None,
     ) -> TransferAck:
         """Send the plan's pages (page_buffers[i] goes to plan.dest_page_ids[i]) and a
         commit; return when the receiver acked. Raises TransferError (the receiver's reason
-        when it rejected; PEER_LOST / DEADLINE / INVALID_PLAN otherwise)."""
+        when it rejected; PEER_LOST / DEADLINE / INVALID_PLAN / ABORTED otherwise).
+
+        `ready` (streamed send): None means every page is final now. Otherwise the link is
+        opened at once (an unreachable receiver fails the send before any page is final),
+        page i is checksummed and sent only once `ready` says pages [0, i] are final, the
+        commit after all of them; `ready.total` must be the plan's page count.
+        `plan.deadline_s` bounds the whole send, waits for pages included."""
         ...
 
     async def close(self) -> None:
@@ -168,6 +249,8 @@ def validate_plan(plan: TransferPlan, page_buffers: Sequence[memoryview]) -> lis
         problem = f"{n} pages needed, {len(plan.dest_page_ids)} ids, {len(page_buffers)} buffers"
     elif not (0 <= plan.epoch < 1 << 64 and -(1 << 63) <= plan.first_token < 1 << 63):
         problem = "epoch or first_token out of range"
+    elif not (plan.num_tokens < 1 << 32 and plan.page_tokens < 1 << 32):
+        problem = "num_tokens and page_tokens must be u32"
     elif not all(0 <= p < 1 << 32 for p in plan.dest_page_ids[:n]):
         problem = "destination page ids must be u32"
     views = []

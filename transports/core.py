@@ -12,7 +12,9 @@ transport supplies `start()` and the wire operations on a link:
 
     _open(address, rid)              connect (TransferError PEER_LOST / INVALID_PLAN)
     _reusable(link), _discard(link)  an idle link still usable? close / abort one
-    _recv_header(link, progress_s)   80 header bytes, None on a clean end of stream
+    _recv_header(link, progress_s, idle=False)   96 header bytes, None on a clean end of
+                                     stream; idle: LinkIdle when nothing of it came within
+                                     progress_s (nothing consumed, the next call resumes)
     _recv_bytes(link, n, progress_s) exactly n bytes (reply headers and NACK details)
     _drain(link, n), _recv_page(link, slot, header)   a DATA payload: scratch / the page
     _send_reply(link, frame)         an ACK or NACK frame (header + detail)
@@ -22,6 +24,14 @@ transport supplies `start()` and the wire operations on a link:
 and may override `_stream()`, the fault-free way to send a transfer's frames (TCP batches
 them into few `sendmsg` calls); `_lost` names the exceptions that mean a lost peer.
 `progress_s` bounds one wait for the peer (None: no bound, an idle link).
+
+Streamed send (`send(..., ready=PagesReady)`, issue 16): the link is opened at once; the
+frames of pages [sent, ready) are built (checksummed) and sent as soon as `ready` says
+they are final, the last of such a segment flagged PAUSE when pages remain; the commit
+goes after every page. The receiver waits for the frame after a PAUSE for as long as the
+transfer is live (its deadline, or decode ending it, bounds that), and within the
+progress timeout everywhere else (inside a frame, after a frame without PAUSE); a link
+bound to no live transfer keeps the header timeout.
 
 Frame hook: a transport built with `frame_filter` (only `FaultInjectingTransport` in
 faults.py passes one) asks it once per send; when it answers with a function, that
@@ -38,22 +48,25 @@ import dataclasses
 import itertools
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from .base import (
     EventCallback,
     ExpectedTransfer,
+    PagesReady,
+    ProducerFailed,
     TransferAck,
     TransferPlan,
     TransferResult,
     TransportStats,
     validate_plan,
 )
-from .errors import FrameError, Reason, TransferError
+from .errors import FrameError, LinkIdle, Reason, TransferError
 from .framing import (
     HEADER_SIZE,
     MAX_PAYLOAD,
+    PAUSE,
     FrameHeader,
     Kind,
     checksum,
@@ -68,6 +81,7 @@ from .receiver import ReceiveTable, Slot, nack_frame
 
 _T = TypeVar("_T")
 _NO_RESERVATION = bytes(16)
+_UNBOUND = object()  # `_bound_header`: the link is bound to no live transfer
 
 
 @dataclasses.dataclass(slots=True)
@@ -115,23 +129,57 @@ def parse_address(address: str, scheme: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class FrameSource:
+    """A transfer's frames, built lazily and in order: `data(start, stop)` yields the DATA
+    frames of pages [start, stop), checksumming each page only as its frame is produced
+    (for a streamed send: after the page is final); `commit()` is the COMMIT, once every
+    DATA frame was produced. Every header is MACed under the plan's key (the COMMIT's
+    covers every page digest)."""
+
+    def __init__(self, plan: TransferPlan, rbytes: bytes, views: list[memoryview],
+                 ready: PagesReady | None = None) -> None:
+        self.plan, self.rbytes, self.views = plan, rbytes, views
+        self.ready = ready  # a streamed send: its `first_token` (if set) goes in the commit
+        self.sums: list[int] = []
+
+    def data(self, start: int, stop: int, pause: bool = False) -> Iterator[Frame]:
+        """pause: flag the last frame PAUSE (the pages after it are not final yet)."""
+        plan, key = self.plan, self.plan.key
+        for i in range(start, stop):
+            if i != len(self.sums):
+                raise RuntimeError(f"frame {i} built out of order")
+            view = self.views[i]
+            digest = checksum(view)
+            self.sums.append(digest)
+            header = encode_header(
+                Kind.DATA, self.rbytes, plan.epoch, seq=i, dest_page_id=plan.dest_page_ids[i],
+                page_index=i, token_count=tokens_in_page(i, plan.num_tokens, plan.page_tokens),
+                payload_len=view.nbytes, payload_checksum=digest,
+                flags=PAUSE if pause and i == stop - 1 else 0, key=key)
+            yield Frame(i, header, view, key)
+
+    def commit(self) -> Frame:
+        n, plan = len(self.views), self.plan
+        if len(self.sums) != n:
+            raise RuntimeError(f"commit after {len(self.sums)} of {n} pages")
+        return Frame(n, encode_header(Kind.COMMIT, self.rbytes, plan.epoch, seq=n, page_index=n,
+                                      token_count=plan.num_tokens, aux=self.first_token,
+                                      payload_checksum=commit_digest(self.sums), key=plan.key),
+                     b"", plan.key)
+
+    @property
+    def first_token(self) -> int:
+        late = self.ready.first_token if self.ready is not None else None
+        return self.plan.first_token if late is None else late
+
+    def all(self) -> Iterator[Frame]:
+        yield from self.data(0, len(self.views))
+        yield self.commit()
+
+
 def build_frames(plan: TransferPlan, rbytes: bytes, views: list[memoryview]) -> Iterable[Frame]:
-    """DATA frames for each page (checksummed as they are produced), then the COMMIT; every
-    header MACed under the plan's key (the COMMIT's covers every page digest)."""
-    sums = []
-    key = plan.key
-    for i, view in enumerate(views):
-        digest = checksum(view)
-        sums.append(digest)
-        header = encode_header(
-            Kind.DATA, rbytes, plan.epoch, seq=i, dest_page_id=plan.dest_page_ids[i],
-            page_index=i, token_count=tokens_in_page(i, plan.num_tokens, plan.page_tokens),
-            payload_len=view.nbytes, payload_checksum=digest, key=key)
-        yield Frame(i, header, view, key)
-    n = len(views)
-    yield Frame(n, encode_header(Kind.COMMIT, rbytes, plan.epoch, seq=n, page_index=n,
-                                 token_count=plan.num_tokens, aux=plan.first_token,
-                                 payload_checksum=commit_digest(sums), key=key), b"", key)
+    """Every frame of a transfer whose pages are all final (see `FrameSource`)."""
+    return FrameSource(plan, rbytes, views).all()
 
 
 def reason_of(code: int) -> Reason:
@@ -236,11 +284,11 @@ class TransportCore(abc.ABC):
         pending: collections.deque = collections.deque()  # landings of posted pages
         progress = self.progress_timeout_s
         reason, detail = Reason.PEER_LOST, "peer closed the connection"
+        paused = False  # the last DATA frame was flagged PAUSE (a streamed send)
         try:
             while True:
-                if self._table.bound_to(conn_id):
-                    header = await self._recv_header(link, progress)
-                else:  # a whole header within the header timeout, however it trickles
+                header = await self._bound_header(link, conn_id, paused, pending)
+                if header is _UNBOUND:  # a whole header within the header timeout
                     try:
                         header = await timed(self._recv_header(link, None),
                                              self.header_timeout_s)
@@ -254,7 +302,8 @@ class TransportCore(abc.ABC):
                     self._table.authenticate(h)
                     if self.coalesces and h.kind is Kind.DATA and h.aux > 1:
                         # A run of pages whose payloads come as one message.
-                        nack = await self._serve_run(link, h, conn_id, progress, pending)
+                        nack, paused = await self._serve_run(link, h, conn_id, progress,
+                                                             pending)
                         if nack is not None:
                             await self._send_reply(link, nack)
                         continue
@@ -263,6 +312,7 @@ class TransportCore(abc.ABC):
                     self.stats.frames_rejected[reason] += 1
                     await self._send_reply(link, nack_frame(_NO_RESERVATION, 0, reason, detail))
                     break
+                paused = bool(h.flags & PAUSE)
                 if h.kind is Kind.DATA:
                     slot, nack = self._table.check_data(h, conn_id)
                     if slot is None:
@@ -281,6 +331,10 @@ class TransportCore(abc.ABC):
                     # Every page must have landed (and been checksummed) before the commit.
                     nack = await self._settle(link, pending, 0)
                     await self._send_reply(link, nack or self._table.check_commit(h, conn_id))
+                elif h.kind is Kind.NACK and h.payload_len == 0:
+                    # A streamed sender's producer gave up (authenticated above).
+                    await self._settle(link, pending, 0)
+                    self._table.check_abort(h, conn_id)
                 else:
                     reason, detail = Reason.BAD_HEADER, f"{h.kind.name} frame sent to a receiver"
                     break
@@ -292,13 +346,36 @@ class TransportCore(abc.ABC):
             self._link_tasks.pop(conn_id, None)
             self._discard(link)
 
+    async def _bound_header(self, link: Any, conn_id: int, paused: bool,
+                            pending: collections.deque) -> Any:
+        """The next header (None at a clean end) of a link bound to a live transfer: within
+        the progress timeout, or, after a frame flagged PAUSE (a streamed send between
+        chunks), for as long as that transfer is live. `_UNBOUND` when the link is bound
+        to none, or its transfer ended during the pause (deadline, fence, a page that
+        failed its check): what that transfer had outstanding is answered first."""
+        slot = self._table.bound_slot(conn_id)
+        if slot is None:
+            return _UNBOUND
+        if not paused:
+            return await self._recv_header(link, self.progress_timeout_s)
+        while slot.live:
+            try:
+                return await self._recv_header(link, self.progress_timeout_s, idle=True)
+            except LinkIdle:
+                continue
+        nack = await self._settle(link, pending, 0)
+        if nack is not None:
+            await self._send_reply(link, nack)
+        return _UNBOUND
+
     async def _serve_run(self, link: Any, h: FrameHeader, conn_id: int, progress: float,
-                         pending: collections.deque) -> bytes | None:
+                         pending: collections.deque) -> tuple[bytes | None, bool]:
         """A DATA header whose `aux` is k >= 2 (transports that coalesce): it and the next
         k - 1 headers, all DATA with `aux` 0, are checked one by one as they come (the
         first binds the reservation to this link); then their k payloads come as one
         message, posted into the pages (`_recv_run`) or drained when any check failed.
-        FrameError when the run is malformed. Returns the first NACK, if any."""
+        FrameError when the run is malformed. Returns the first NACK, if any, and whether
+        the run's last frame was flagged PAUSE."""
         if h.aux > self.receive_window:
             raise FrameError(f"run of {h.aux} pages, at most {self.receive_window}")
         run, checked = [h], [self._table.check_data(h, conn_id)]
@@ -313,6 +390,7 @@ class TransportCore(abc.ABC):
             run.append(x)
             checked.append(self._table.check_data(x, conn_id))
         slot = checked[0][0]
+        paused = bool(run[-1].flags & PAUSE)
         nack = next((n for _, n in checked if n is not None), None)
         if nack is not None or slot is None:
             total = sum(x.payload_len for x in run)
@@ -320,9 +398,9 @@ class TransportCore(abc.ABC):
                 raise FrameError(f"run of {total} payload bytes")
             self._check_drain(h, total)
             await self._drain(link, total)
-            return nack
+            return nack, paused
         pending.append(await self._recv_run(link, slot, run))
-        return await self._settle(link, pending, self.receive_window)
+        return await self._settle(link, pending, self.receive_window), paused
 
     def _check_drain(self, h: FrameHeader, length: int) -> None:
         """For transports that allocate what they drain (UCX): a rejected payload is drained
@@ -368,25 +446,23 @@ class TransportCore(abc.ABC):
             pass  # the reader of that link reports the loss
 
     # -- sender ------------------------------------------------------------------------
-    async def send(self, address: str, plan: TransferPlan,
-                   page_buffers: Sequence[memoryview]) -> TransferAck:
+    async def send(self, address: str, plan: TransferPlan, page_buffers: Sequence[memoryview],
+                   ready: PagesReady | None = None) -> TransferAck:
         views = validate_plan(plan, page_buffers)
         rid = plan.reservation_id
-        schedule = self._frame_filter(plan) if self._frame_filter is not None else None
+        if ready is not None and ready.total != len(views):
+            raise TransferError(rid, Reason.INVALID_PLAN,
+                                f"ready.total {ready.total} != {len(views)} pages")
         try:
             key = reservation_bytes(rid)
-            built = build_frames(plan, key, views)
-            if schedule is not None:
-                frames: Iterable[SendItem] = list(schedule(list(built)))
-            else:
-                frames = built if self.lazy_frames else list(built)
-        except (ValueError, struct.error) as exc:
+        except ValueError as exc:
             raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
-        emit = self._stream if schedule is None else self._emit
+        source = FrameSource(plan, key, views, ready)
+        schedule = self._frame_filter(plan) if self._frame_filter is not None else None
         started = time.perf_counter()
         try:
             async with asyncio.timeout(plan.deadline_s):
-                await self._deliver(address, plan, key, frames, emit)
+                await self._deliver(address, plan, key, source, schedule, ready)
         except TimeoutError:
             self._event("send_failed", rid, Reason.DEADLINE)
             raise TransferError(rid, Reason.DEADLINE,
@@ -399,18 +475,36 @@ class TransportCore(abc.ABC):
         return TransferAck(rid, plan.epoch, plan.num_tokens, plan.num_pages * plan.page_bytes,
                            time.perf_counter() - started)
 
-    async def _deliver(self, address: str, plan: TransferPlan, key: bytes, frames,
-                       emit) -> None:
+    async def _deliver(self, address: str, plan: TransferPlan, key: bytes, source: FrameSource,
+                       schedule, ready: PagesReady | None) -> None:
         """Send the frames on a pooled or new link and wait for the receiver's reply: an
         ACK that names this reservation and its token count, or a NACK with the reason."""
         rid = plan.reservation_id
-        link = await self._checkout(address, rid)
+        link, since = await self._checkout(address, rid)  # at once, streamed or not
+        if ready is not None and ready.ready == 0:
+            try:
+                await self._pages(ready, 1, None, rid)
+            except TransferError:
+                await self._abort(link, plan, key)
+                self._discard(link)
+                raise
+            except BaseException:
+                self._discard(link)
+                raise
+            # The receiver closes a link that sent no header for header_timeout_s.
+            if time.monotonic() - since > self.header_timeout_s / 2 or not self._reusable(link):
+                self._discard(link)
+                link, _ = await self._checkout(address, rid)
         reply = self._spawn(self._read_reply(link))
         reusable = False
         try:
             try:
-                await emit(link, frames, reply)
+                await self._send_frames(link, rid, source, schedule, ready, reply)
                 h, detail = await timed(asyncio.shield(reply), self.progress_timeout_s)
+            except TransferError as exc:
+                if exc.reason is Reason.ABORTED:
+                    await self._abort(link, plan, key)
+                raise
             except self._lost as exc:
                 # Prefer the receiver's own verdict if it arrived just before the loss.
                 await asyncio.wait({reply}, timeout=0.05)
@@ -434,16 +528,83 @@ class TransportCore(abc.ABC):
             else:
                 self._discard(link)
 
-    async def _checkout(self, address: str, rid: str) -> Any:
-        """An idle link to `address` that still looks usable, else a new one."""
+    async def _send_frames(self, link: Any, rid: str, source: FrameSource, schedule,
+                           ready: PagesReady | None, reply: asyncio.Task) -> None:
+        """Send the transfer's frames, stopping early once the receiver answered. Streamed
+        (`ready` with pages not final yet): each segment of pages that became final is
+        built and sent as soon as it is, the commit after the last page. With a frame hook
+        (faults) every page is waited for first and the scheduled frames go as they are."""
+        n = len(source.views)
+        if schedule is not None:
+            if ready is not None:
+                await self._pages(ready, n, reply, rid)
+                if reply.done():
+                    return
+            try:
+                items = list(schedule(list(source.all())))
+            except (ValueError, struct.error) as exc:
+                raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
+            await self._emit(link, items, reply)
+            return
+        if ready is None or ready.ready >= n:
+            frames = source.all()
+            await self._stream(link, frames if self.lazy_frames else list(frames), reply)
+            return
+        sent = 0
+        while sent < n:
+            await self._pages(ready, sent + 1, reply, rid)
+            if reply.done():
+                return  # the receiver answered (a NACK) or the link failed
+            upto = ready.ready
+            frames = source.data(sent, upto, pause=upto < n)
+            await self._stream(link, frames if self.lazy_frames else list(frames), reply)
+            sent = upto
+        if not reply.done():
+            await self._stream(link, [source.commit()], reply)
+
+    async def _pages(self, ready: PagesReady, n: int, reply: asyncio.Task | None,
+                     rid: str) -> None:
+        """Wait until pages [0, n) are final, or the reply task ended (the receiver answered
+        or the link failed: the caller reads it). TransferError(ABORTED) when the producer
+        failed first."""
+        if ready.ready >= n:
+            return
+        waiter = asyncio.ensure_future(ready.wait(n))
+        try:
+            await asyncio.wait({waiter} if reply is None else {waiter, reply},
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+        if waiter.done() and not waiter.cancelled():
+            exc = waiter.exception()
+            if isinstance(exc, ProducerFailed):
+                raise TransferError(rid, Reason.ABORTED, str(exc)) from exc.cause
+            if exc is not None:
+                raise exc
+
+    async def _abort(self, link: Any, plan: TransferPlan, key: bytes) -> None:
+        """Tell the receiver that this transfer ends here (the producer gave up): a NACK
+        MACed under the transfer's key, ABORTED in `aux`, no detail. Best effort, within
+        the progress timeout; the link is discarded after it either way."""
+        frame = encode_header(Kind.NACK, key, plan.epoch, aux=int(Reason.ABORTED),
+                              key=plan.key)
+        try:
+            await timed(self._send_reply(link, frame), self.progress_timeout_s)
+        except (TimeoutError, *self._lost):
+            pass  # the receiver learns from the closed link instead
+
+    async def _checkout(self, address: str, rid: str) -> tuple[Any, float]:
+        """An idle link to `address` that still looks usable, else a new one; with the
+        time it last carried anything (monotonic)."""
         idle = self._idle.get(address, [])
         fresh = time.monotonic() - self.header_timeout_s / 2  # the receiver may close older
         while idle:
             link, since = idle.pop()
             if since > fresh and self._reusable(link):
-                return link
+                return link, since
             self._discard(link)
-        return await self._open(address, rid)
+        return await self._open(address, rid), time.monotonic()
 
     async def _read_reply(self, link: Any) -> tuple[FrameHeader, str]:
         header = await self._recv_bytes(link, HEADER_SIZE, None)
@@ -515,7 +676,8 @@ class TransportCore(abc.ABC):
         ...
 
     @abc.abstractmethod
-    async def _recv_header(self, link: Any, progress_s: float | None) -> bytes | None:
+    async def _recv_header(self, link: Any, progress_s: float | None,
+                           idle: bool = False) -> bytes | None:
         ...
 
     @abc.abstractmethod

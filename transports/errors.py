@@ -25,6 +25,7 @@ class Reason(enum.IntEnum):
     INVALID_PLAN = 14  # the sender's plan / buffers are inconsistent (nothing was sent)
     QUARANTINED = 15  # a write into the pages may still land: they must never be re-leased
     UNAUTHENTICATED = 16  # a header's MAC does not verify under the live reservation's key
+    ABORTED = 17  # the sender's producer gave up before every page was final (`PagesReady.fail`)
 
 
 class FrameError(ValueError):
@@ -43,6 +44,12 @@ class AuthError(FrameError):
     dropped and its connection closed; the reservation it names is not touched."""
 
     reason = Reason.UNAUTHENTICATED
+
+
+class LinkIdle(TimeoutError):
+    """Internal: nothing of the next frame arrived within the wait (nothing was consumed;
+    the next read resumes). Raised only to callers that asked for it (`idle=True`);
+    anywhere else it reads as a stalled peer (a TimeoutError)."""
 
 
 class TransferError(Exception):

@@ -47,6 +47,7 @@ from typing import Any
 from .base import (
     ExpectedTransfer,
     KVTransport,
+    PagesReady,
     TransferAck,
     TransferPlan,
     TransferResult,
@@ -180,17 +181,20 @@ class FaultInjectingTransport:
     async def fence(self, reservation_id: str) -> None:
         await self.inner.fence(reservation_id)
 
-    async def send(self, address: str, plan: TransferPlan,
-                   page_buffers: Sequence[memoryview]) -> TransferAck:
+    async def send(self, address: str, plan: TransferPlan, page_buffers: Sequence[memoryview],
+                   ready: PagesReady | None = None) -> TransferAck:
+        """`ready` is passed on: without a fault plan the send streams as usual; a send with
+        a fault plan connects at once, waits for every page to be final, then sends the
+        scheduled frames (frame numbers count the whole transfer)."""
         rid = plan.reservation_id
         fault = self._armed.pop(rid, None)
         if fault is None:
             fault, self._next = self._next, None
         if fault is None:
-            return await self.inner.send(address, plan, page_buffers)
+            return await self.inner.send(address, plan, page_buffers, ready)
         self._sending[rid] = fault
         try:
-            return await self.inner.send(address, plan, page_buffers)
+            return await self.inner.send(address, plan, page_buffers, ready)
         finally:
             self._sending.pop(rid, None)
 

@@ -15,6 +15,9 @@ covers every page digest. ACKs are MACed the same way; a NACK for a reservation 
 receiver does not hold cannot be (it changes nothing but the sender's own send).
 
 - DATA: one page; `token_count` = valid tokens in that page; payload = the page bytes.
+  `flags` may carry `PAUSE`: the sender streams (issue 16) and the pages after this one
+  are not final yet, so the next frame may come much later (the receiver then waits for
+  it as long as the transfer is live instead of within the progress timeout).
 - COMMIT: `page_index` = pages sent, `token_count` = total prompt tokens, `aux` = first
   token, `payload_checksum` = `commit_digest()` of the page checksums in order; no payload.
 - ACK: the receiver verified and committed; `token_count` echoes the total.
@@ -52,6 +55,7 @@ HEADER_SIZE = _BODY.size + MAC_SIZE + _CHECK.size  # 96
 _KEY_LABEL = b"pdmesh-kv\x00"
 MAX_PAYLOAD = 1 << 31  # one page is far smaller; bounds scratch drains on a corrupt length
 MAX_NACK_DETAIL = 4096
+PAUSE = 0x1  # DATA flag: the next frame of this transfer may come late (streamed send)
 
 checksum = xxhash.xxh3_64_intdigest  # accepts any buffer (memoryview, numpy) without copying
 
@@ -61,6 +65,9 @@ class Kind(enum.IntEnum):
     COMMIT = 2
     ACK = 3
     NACK = 4
+
+
+_KNOWN_FLAGS = {Kind.DATA: PAUSE}  # the flags each kind may carry (others: none)
 
 
 class FrameHeader(NamedTuple):
@@ -75,6 +82,7 @@ class FrameHeader(NamedTuple):
     payload_len: int
     payload_checksum: int
     mac: bytes = bytes(MAC_SIZE)
+    flags: int = 0  # PAUSE on a DATA frame, else 0 (covered by the MAC)
 
 
 def transfer_key(mesh_secret: str | bytes, reservation_id: str, epoch: int) -> bytes:
@@ -91,7 +99,7 @@ def _mac(key: bytes, body: bytes) -> bytes:
 
 def mac_ok(h: FrameHeader, key: bytes) -> bool:
     """Whether a decoded header's MAC verifies under `key` (constant-time compare)."""
-    body = _BODY.pack(MAGIC, VERSION, int(h.kind), 0, h.reservation, h.epoch, h.seq,
+    body = _BODY.pack(MAGIC, VERSION, int(h.kind), h.flags, h.reservation, h.epoch, h.seq,
                       h.dest_page_id, h.page_index, h.token_count, h.aux, h.payload_len,
                       h.payload_checksum)
     return hmac.compare_digest(_mac(key, body), h.mac)
@@ -122,13 +130,14 @@ def encode_header(
     payload_len: int = 0,
     payload_checksum: int = 0,
     mac: bytes = b"",
+    flags: int = 0,
     *,
     key: bytes = b"",
 ) -> bytes:
     """One header, MACed under `key` (a given `mac`, e.g. from a decoded header's fields,
     is ignored: the MAC is always computed)."""
     body = _BODY.pack(
-        MAGIC, VERSION, int(kind), 0, reservation, epoch, seq, dest_page_id, page_index,
+        MAGIC, VERSION, int(kind), flags, reservation, epoch, seq, dest_page_id, page_index,
         token_count, aux, payload_len, payload_checksum,
     )
     signed = body + _mac(key, body)
@@ -154,12 +163,12 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
         raise FrameError(f"bad magic {magic!r}")
     if version != VERSION:
         raise FrameError(f"unsupported version {version}")
-    if flags != 0:
-        raise FrameError(f"unknown flags {flags:#x}")
     try:
         kind = Kind(kind)
     except ValueError:
         raise FrameError(f"unknown frame kind {kind}") from None
+    if flags & ~_KNOWN_FLAGS.get(kind, 0):
+        raise FrameError(f"unknown flags {flags:#x} on a {kind.name} frame")
     if payload_len > MAX_PAYLOAD:
         raise FrameError(f"payload length {payload_len} > {MAX_PAYLOAD}")
     if kind is Kind.DATA and payload_len == 0:
@@ -169,7 +178,8 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     if kind is Kind.NACK and payload_len > MAX_NACK_DETAIL:
         raise FrameError("NACK detail too long")
     return FrameHeader(kind, reservation, epoch, seq, dest_page_id, page_index, token_count,
-                       aux, payload_len, payload_checksum, raw[_BODY.size: _BODY.size + MAC_SIZE])
+                       aux, payload_len, payload_checksum,
+                       raw[_BODY.size: _BODY.size + MAC_SIZE], flags)
 
 
 def tokens_in_page(page_index: int, num_tokens: int, page_tokens: int) -> int:
@@ -177,7 +187,7 @@ def tokens_in_page(page_index: int, num_tokens: int, page_tokens: int) -> int:
 
 
 __all__ = [
-    "HEADER_SIZE", "MAC_SIZE", "MAGIC", "MAX_PAYLOAD", "VERSION", "FrameError", "FrameHeader",
-    "Kind", "checksum", "commit_digest", "decode_header", "encode_header", "mac_ok",
+    "HEADER_SIZE", "MAC_SIZE", "MAGIC", "MAX_PAYLOAD", "PAUSE", "VERSION", "FrameError",
+    "FrameHeader", "Kind", "checksum", "commit_digest", "decode_header", "encode_header", "mac_ok",
     "reservation_bytes", "tokens_in_page", "transfer_key",
 ]

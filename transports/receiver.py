@@ -117,7 +117,11 @@ class ReceiveTable:
         return max((s.target.page_bytes for s in self._slots.values()), default=0)
 
     def bound_to(self, conn_id: int) -> bool:
-        return any(s.conn_id == conn_id for s in self._slots.values())
+        return self.bound_slot(conn_id) is not None
+
+    def bound_slot(self, conn_id: int) -> Slot | None:
+        """The live slot whose frames come on connection `conn_id`, if any."""
+        return next((s for s in self._slots.values() if s.conn_id == conn_id), None)
 
     # -- frame checks (before any payload byte touches destination memory) --------------
     def authenticate(self, h: FrameHeader) -> None:
@@ -205,6 +209,16 @@ class ReceiveTable:
         self._event("committed", t.reservation_id, None)
         return encode_header(Kind.ACK, h.reservation, h.epoch, token_count=t.num_tokens,
                              key=t.key)
+
+    def check_abort(self, h: FrameHeader, conn_id: int) -> None:
+        """A NACK from a sender (`authenticate` verified its MAC when it names a live
+        reservation): its producer gave up part-way (a streamed send, ABORTED). The live
+        slot it names fails at once, unless the epoch differs or the slot's frames come on
+        another connection; nothing else changes."""
+        slot = self._slots.get(h.reservation)
+        if slot is None or h.epoch != slot.target.epoch or slot.conn_id not in (None, conn_id):
+            return
+        self.fail(slot, Reason.ABORTED, "the sender's producer gave up", notify=False)
 
     # -- failure paths -----------------------------------------------------------------
     def fail(self, slot: Slot, reason: Reason, detail: str = "", notify: bool = True) -> None:

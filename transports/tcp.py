@@ -108,9 +108,10 @@ class TcpTransport(TransportCore):
             return
         self.accepting = True
 
-    async def _recv_header(self, conn: RawSocket, progress_s: float | None) -> bytes | None:
+    async def _recv_header(self, conn: RawSocket, progress_s: float | None,
+                           idle: bool = False) -> bytes | None:
         header = bytearray(HEADER_SIZE)
-        if not await conn.recv_exact(memoryview(header), progress_s, eof_ok=True):
+        if not await conn.recv_exact(memoryview(header), progress_s, eof_ok=True, idle=idle):
             return None
         return header
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from .base import EventCallback
 from .core import Cut, Frame, FrameFilter, TransportCore, parse_address, timed
-from .errors import Reason, TransferError
+from .errors import LinkIdle, Reason, TransferError
 from .framing import HEADER_SIZE, FrameHeader, decode_header, encode_header
 from .receiver import Slot
 
@@ -151,6 +151,9 @@ class UcxTransport(TransportCore):
         self.quarantine_s = quarantine_s
         # The last posted page receive of each inbound endpoint (its landing task).
         self._tail: dict[int, asyncio.Task] = {}
+        # A header receive kept posted across `_recv_header(idle=True)` calls, by endpoint
+        # (a posted UCX receive cannot be taken back: a new one would miss the message).
+        self._headers: dict[int, asyncio.Task] = {}
 
     async def start(self) -> str:
         if self._listener is None:
@@ -165,6 +168,7 @@ class UcxTransport(TransportCore):
     def _discard(self, ep) -> None:
         _abort(ep)
         self._tail.pop(id(ep), None)
+        self._headers.pop(id(ep), None)  # ends with the endpoint (close() awaits it)
 
     # -- receiver ----------------------------------------------------------------------
     def _on_connect(self, ep):
@@ -173,8 +177,21 @@ class UcxTransport(TransportCore):
             return None
         return self._spawn(self._serve_link(ep))
 
-    async def _recv_header(self, ep, progress_s: float | None) -> bytes:
-        return await self._recv_bytes(ep, HEADER_SIZE, progress_s)
+    async def _recv_header(self, ep, progress_s: float | None, idle: bool = False) -> bytes:
+        posted = self._headers.get(id(ep))
+        if posted is None and not idle:
+            return await self._recv_bytes(ep, HEADER_SIZE, progress_s)
+        if posted is None:
+            posted = self._spawn(self._recv_bytes(ep, HEADER_SIZE, None))
+            posted.add_done_callback(_retrieve)
+            self._headers[id(ep)] = posted
+        done, _ = await asyncio.wait({posted}, timeout=progress_s)
+        if not done:
+            if idle:  # the receive stays posted for the next call
+                raise LinkIdle(f"nothing for {progress_s}s")
+            raise TimeoutError(f"no header within {progress_s}s")
+        del self._headers[id(ep)]
+        return posted.result()
 
     async def _drain(self, ep, length: int) -> None:
         await timed(ep.recv(np.empty(length, np.uint8)), self.progress_timeout_s)
@@ -243,11 +260,14 @@ class UcxTransport(TransportCore):
         Bounded on its own, whatever the link's reader does: the page must land within
         `progress_timeout_s` of the previous one, else the endpoint is torn down (UCX then
         cancels the receive); a receive still not ended `quarantine_s` later is a write
-        whose end is unknown (the slot fails QUARANTINED)."""
-        wait = asyncio.ensure_future(req.wait())
+        whose end is unknown (the slot fails QUARANTINED). Only the oldest landing of a
+        link waits on its request: without ucxx's Python futures a request's `wait()`
+        polls the event loop, and 64 of them at once cost more CPU than the copy."""
+        wait: asyncio.Future | None = None
         try:
             if previous is not None:
                 await asyncio.wait({previous})
+            wait = asyncio.ensure_future(req.wait())
             done, _ = await asyncio.wait({wait}, timeout=self.progress_timeout_s)
             if not done:
                 _abort(ep)
@@ -260,6 +280,8 @@ class UcxTransport(TransportCore):
             wait.result()  # UCX's error (cancelled, endpoint lost) means a lost peer
             return self._pages_done(slot, run)
         except asyncio.CancelledError:  # close(): the receive may still be live
+            if wait is None:
+                wait = asyncio.ensure_future(req.wait())
             if not wait.done():
                 _abort(ep)  # UCX cancels the receive; close() awaits this task
                 with contextlib.suppress(asyncio.CancelledError):
@@ -269,7 +291,7 @@ class UcxTransport(TransportCore):
                 self._table.write_unknown(slot, "transport closed with a receive posted")
             raise
         finally:
-            if wait.done():
+            if wait is not None and wait.done():
                 self._table.write_ended(slot)
 
     async def _landed(self, ep, landing: asyncio.Task) -> bytes | None:

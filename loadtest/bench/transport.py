@@ -12,6 +12,17 @@ authenticated as in production (HMAC-SHA256 per header under a per-reservation k
 `mac_us_per_frame` is what one frame's MAC costs (sign + verify, measured in this run)
 and each row's `mac_share` that cost over its whole transfer time.
 
+Kinds: any kind `make_transport` builds (`--kinds tcp,ucx,nixl`; one that cannot be built
+here is skipped with a note on stderr). The raw baseline is a bare ucxx send/recv for the
+kinds that move bytes over UCX (ucx, nixl) when ucxx is importable, else a plain socket.
+UCX runs with ucxx's Python futures (`UCXPY_ENABLE_PYTHON_FUTURE=1` unless set otherwise,
+as services run: one event loop per process); without them every request `wait()` polls
+the event loop. In the process layout each row also has the CPU time per MiB of each side
+(`tx_cpu_us_per_mib`, `rx_cpu_us_per_mib`, and `raw_` ones; medians over the runs, all
+threads of the process): less sensitive to other load than GB/s, and
+`cpu_bound_ratio` = max(raw tx, raw rx) / max(tx, rx) is the ratio a machine with a free
+core per side would show.
+
 Layouts: `process` (default) receives in a child process
 (`pdmesh.loadtest.bench.transport_peer`), as decode receives from prefill, so sender and
 receiver work in parallel and each side pays one checksum pass; both the transport and the
@@ -28,6 +39,7 @@ import hmac
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 import uuid
@@ -117,9 +129,9 @@ class _Peer:
         self.proc, self.address, self.raw_port = proc, info["address"], info["raw_port"]
 
     @classmethod
-    async def start(cls, kind: str) -> _Peer:
+    async def start(cls, kind: str, raw: str) -> _Peer:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdmesh.loadtest.bench.transport_peer", kind,
+            sys.executable, "-m", "pdmesh.loadtest.bench.transport_peer", kind, raw,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         assert proc.stdout is not None
         while not (line := await proc.stdout.readline()).startswith(b"{"):
@@ -133,6 +145,13 @@ class _Peer:
         await self.proc.stdin.drain()
         if (await self.proc.stdout.readline()).strip() != b"ready":
             raise RuntimeError(f"bench peer did not take {line!r}")
+
+    async def cpu(self) -> float:
+        """The peer's CPU time so far (seconds, all its threads)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(b"cpu\n")
+        await self.proc.stdin.drain()
+        return float((await self.proc.stdout.readline()).split()[1])
 
     async def stop(self) -> None:
         if self.proc.returncode is None:
@@ -158,9 +177,10 @@ async def _peer_transport_once(peer: _Peer, sender, payload: np.ndarray) -> floa
     return time.perf_counter() - started
 
 
-async def _peer_raw_once(peer: _Peer, kind: str, payload: np.ndarray, ucx) -> float:
+async def _peer_raw_once(peer: _Peer, payload: np.ndarray, ucx) -> float:
+    """One raw transfer to the peer: bare ucxx when `ucx` is given, else a plain socket."""
     await peer.command(f"raw {payload.nbytes}")
-    if kind == "ucx":
+    if ucx is not None:
         ep = await ucx.create_endpoint("127.0.0.1", peer.raw_port)
         ack = np.empty(1, np.uint8)
         started = time.perf_counter()
@@ -233,8 +253,9 @@ async def _perftest_gbps(nbytes: int, repeat: int) -> float | None:
 
 
 def _ucx_for(kind: str) -> ModuleType | None:
-    """The ucxx module for `ucx` (an optional dependency, imported only when asked)."""
-    if kind != "ucx":
+    """The ucxx module for the raw baseline of a kind that moves bytes over UCX (an
+    optional dependency, imported only then); None: the raw baseline is a plain socket."""
+    if kind not in UCX_KINDS:
         return None
     from pdmesh.transports.ucx import ucx
 
@@ -247,15 +268,29 @@ def _payload(mib: int) -> np.ndarray:
 
 
 async def _best_of(repeat: int, t_end: float, transport_once: Callable[[], Awaitable[float]],
-                   raw_once: Callable[[], Awaitable[float]]) -> tuple[float, float]:
-    """Fastest transport and raw seconds of `repeat` alternating runs (until `t_end`)."""
+                   raw_once: Callable[[], Awaitable[float]],
+                   peer: _Peer | None = None) -> tuple[float, float, dict]:
+    """Fastest transport and raw seconds of `repeat` alternating runs (until `t_end`), and
+    with a peer the median CPU time per run of each side (seconds: tx, rx, raw_tx, raw_rx)."""
     best_t = best_raw = float("inf")
+    cpu: dict[str, list[float]] = {"tx": [], "rx": [], "raw_tx": [], "raw_rx": []}
+
+    async def timed_cpu(once: Callable[[], Awaitable[float]], prefix: str) -> float:
+        if peer is None:
+            return await once()
+        tx, rx = time.process_time(), await peer.cpu()
+        seconds = await once()
+        cpu[prefix + "tx"].append(time.process_time() - tx)
+        await asyncio.sleep(0.01)  # the peer's last bookkeeping after its reply
+        cpu[prefix + "rx"].append(await peer.cpu() - rx)
+        return seconds
+
     for _ in range(repeat):
         if time.monotonic() > t_end and best_t < float("inf"):
             break  # out of budget, but every size gets one measured run
-        best_t = min(best_t, await transport_once())
-        best_raw = min(best_raw, await raw_once())
-    return best_t, best_raw
+        best_t = min(best_t, await timed_cpu(transport_once, ""))
+        best_raw = min(best_raw, await timed_cpu(raw_once, "raw_"))
+    return best_t, best_raw, {k: statistics.median(v) for k, v in cpu.items() if v}
 
 
 def mac_cost_us(frames: int = 20000) -> float:
@@ -275,10 +310,15 @@ def mac_cost_us(frames: int = 20000) -> float:
 
 
 def _row(kind: str, mib: int, layout: str, nbytes: int, best_t: float,
-         best_raw: float) -> dict:
+         best_raw: float, cpu: dict | None = None) -> dict:
     row = {"transport": kind, "mib": mib, "layout": layout,
            "transport_gbps": nbytes / best_t / 1e9, "raw_gbps": nbytes / best_raw / 1e9}
     row["ratio"] = row["transport_gbps"] / row["raw_gbps"]
+    if cpu:
+        for side, seconds in cpu.items():
+            row[f"{side}_cpu_us_per_mib"] = seconds / mib * 1e6
+        row["cpu_bound_ratio"] = (max(cpu["raw_tx"], cpu["raw_rx"])
+                                  / max(cpu["tx"], cpu["rx"]))
     return row
 
 
@@ -294,18 +334,18 @@ async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[d
     results = []
     for kind in kinds:
         ucx = _ucx_for(kind)
-        peer = await _Peer.start(kind)
+        peer = await _Peer.start(kind, "tcp" if ucx is None else "ucx")
         sender = make_transport(kind, progress_timeout_s=PROGRESS_S)
         await sender.start()
         try:
             for mib in SIZES_MIB:
                 payload = _payload(mib)
                 await _peer_transport_once(peer, sender, payload)  # warm-up (connect, pages)
-                await _peer_raw_once(peer, kind, payload, ucx)
-                best_t, best_raw = await _best_of(
+                await _peer_raw_once(peer, payload, ucx)
+                best_t, best_raw, cpu = await _best_of(
                     repeat, t_end, functools.partial(_peer_transport_once, peer, sender, payload),
-                    functools.partial(_peer_raw_once, peer, kind, payload, ucx))
-                results.append(_row(kind, mib, "process", payload.nbytes, best_t, best_raw))
+                    functools.partial(_peer_raw_once, peer, payload, ucx), peer)
+                results.append(_row(kind, mib, "process", payload.nbytes, best_t, best_raw, cpu))
                 await _add_perftest(results[-1], kind, payload.nbytes, repeat)
         finally:
             await sender.close()
@@ -313,9 +353,20 @@ async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[d
     return results
 
 
+def stop_ucx_notifier() -> None:
+    """With `UCXPY_ENABLE_PYTHON_FUTURE=1` ucxx's notifier thread keeps the process from
+    exiting unless it is stopped first (ucxx documents this); a no-op otherwise."""
+    module = sys.modules.get("pdmesh.transports.ucx")
+    if module is not None and module.ucx is not None:
+        module.ucx.stop_notifier_thread()
+
+
 async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> dict:
-    results = (await _run_process(kinds, repeat, budget_s) if layout == "process"
-               else await _run_loop(kinds, repeat, budget_s))
+    try:
+        results = (await _run_process(kinds, repeat, budget_s) if layout == "process"
+                   else await _run_loop(kinds, repeat, budget_s))
+    finally:
+        stop_ucx_notifier()
     mac_us = mac_cost_us()
     for row in results:  # what authenticating its frames costs, as a share of the transfer
         frames = row["mib"] * (1 << 20) // PAGE_BYTES + 1
@@ -325,6 +376,7 @@ async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> d
             "checksum": "xxh3_64", "mac": "hmac_sha256_128", "mac_us_per_frame": mac_us,
             "ucx_tls": os.environ.get("UCX_TLS", ""),
             "ucxpy_progress_mode": os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
+            "ucxpy_enable_python_future": os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", ""),
             "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "results": results}
 
 
@@ -344,7 +396,7 @@ async def _run_loop(kinds: list[str], repeat: int, budget_s: float) -> list[dict
                 await _transport_once(payload, dst, pair)  # warm-up (connect, pages)
                 raw_once = (functools.partial(_raw_ucx_once, payload, dst, ucx)
                             if ucx is not None else functools.partial(_raw_tcp_once, payload, dst))
-                best_t, best_raw = await _best_of(
+                best_t, best_raw, _ = await _best_of(
                     repeat, t_end, functools.partial(_transport_once, payload, dst, pair),
                     raw_once)
                 assert (dst == payload).all()
@@ -356,6 +408,16 @@ async def _run_loop(kinds: list[str], repeat: int, budget_s: float) -> list[dict
     return results
 
 
+def _available(kind: str) -> bool:
+    """Whether `make_transport` builds this kind here (else a note on stderr)."""
+    try:
+        make_transport(kind)
+    except (RuntimeError, ValueError) as exc:
+        print(f"skipping {kind}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdmesh bench transport", description=__doc__)
     parser.add_argument("--json", action="store_true", help="last stdout line is JSON")
@@ -365,13 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", choices=("process", "loop"), default="process",
                         help="receiver in a child process (default) or in the same loop")
     args = parser.parse_args(argv)
-    kinds = [k for k in args.kinds.split(",") if k]
-    if "ucx" in kinds:
-        from pdmesh.transports.ucx import ucx_import_error
-
-        if ucx_import_error is not None:
-            print(f"skipping ucx: {ucx_import_error}", file=sys.stderr)
-            kinds.remove("ucx")
+    # Before ucxx is first imported (make_transport imports it lazily; the peer inherits
+    # it): requests complete into asyncio futures, as in services (one loop per process).
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+    kinds = [k for k in args.kinds.split(",") if k and _available(k)]
     report = asyncio.run(_run(kinds, args.repeat, args.budget_s, args.layout))
     print(f"{'transport':>9} {'MiB':>4} {'GB/s':>7} {'raw GB/s':>9} {'ratio':>6} "
           f"{'perftest':>9}")

@@ -6,11 +6,14 @@ socket / bare ucxx) and obeys one-line commands on stdin, answering on stdout:
 
     expect <rid> <pages>   register an expectation of <pages> 1 MiB pages -> "ready"
     raw <bytes>            the next raw connection carries <bytes> bytes -> "ready"
+    cpu                    -> "cpu <seconds>": this process's CPU time so far (all threads)
     quit
 
-It first prints one JSON line: {"address": ..., "raw_port": ...}. Every transfer and raw
-receive is acknowledged to the sender (the transport's ACK; one byte for raw), so the parent
-times send-until-acknowledged for both.
+Usage: `python -m pdmesh.loadtest.bench.transport_peer KIND [RAW]`: KIND is any kind
+`make_transport` builds; RAW is the raw baseline's wire, `tcp` (plain socket, the
+default) or `ucx` (bare ucxx). It first prints one JSON line: {"address": ...,
+"raw_port": ...}. Every transfer and raw receive is acknowledged to the sender (the
+transport's ACK; one byte for raw), so the parent times send-until-acknowledged for both.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import asyncio
 import json
 import socket
 import sys
+import time
 
 import numpy as np
 
+from pdmesh.loadtest.bench.transport import stop_ucx_notifier
 from pdmesh.transports import ExpectedTransfer, make_transport
 from pdmesh.transports.framing import transfer_key
 
@@ -31,7 +36,7 @@ PAGE_TOKENS = 16
 MAX_PAGES = 64
 
 
-async def _serve(kind: str) -> None:
+async def _serve(kind: str, raw: str) -> None:
     loop = asyncio.get_running_loop()
     dst = np.zeros((MAX_PAGES, PAGE_BYTES), np.uint8)
     views = [memoryview(p) for p in dst]
@@ -39,7 +44,7 @@ async def _serve(kind: str) -> None:
     address = await receiver.start()
     raw_expected: asyncio.Queue[int] = asyncio.Queue()
     pending: set[asyncio.Future] = set()
-    if kind == "ucx":
+    if raw == "ucx":
         from pdmesh.transports.ucx import ucx
 
         async def on_connect(ep) -> None:  # ep: a ucxx endpoint
@@ -82,17 +87,21 @@ async def _serve(kind: str) -> None:
                 fut.add_done_callback(pending.discard)
             elif line[0] == "raw":
                 raw_expected.put_nowait(int(line[1]))
+            elif line[0] == "cpu":
+                print(f"cpu {time.process_time()}", flush=True)
+                continue
             else:
                 break
             print("ready", flush=True)
     finally:
-        if kind != "ucx":
+        if raw != "ucx":
             acceptor.cancel()
         await receiver.close()
+        stop_ucx_notifier()
 
 
 def main() -> int:
-    asyncio.run(_serve(sys.argv[1]))
+    asyncio.run(_serve(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "tcp"))
     return 0
 
 

@@ -25,7 +25,10 @@ from pdmesh.transports import (
 os.environ.setdefault("UCX_TLS", "tcp")
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 KINDS = ["tcp", pytest.param("ucx", marks=[pytest.mark.ucx, pytest.mark.skipif(
-    not HAVE_UCX, reason="ucxx is not importable")])]
+    not HAVE_UCX, reason="ucxx is not importable")]),
+         pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
+             importlib.util.find_spec("nixl_cu12") is None,
+             reason="nixl_cu12 is not importable")])]
 SPEC = PoolSpec(num_layers=2, num_kv_heads=2, head_dim=16, page_tokens=16, num_pages=8)
 PROMPT = 64  # 4 pages
 

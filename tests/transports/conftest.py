@@ -13,13 +13,17 @@ from pdmesh.transports import make_transport
 os.environ.setdefault("UCX_TLS", "tcp")
 HAVE_UCX = (importlib.util.find_spec("ucxx") is not None
             or importlib.util.find_spec("ucp") is not None)
+HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
 PROGRESS_S = 0.5
 
 
-@pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])
+@pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.ucx),
+                        pytest.param("nixl", marks=pytest.mark.nixl)])
 def kind(request) -> str:
     if request.param == "ucx" and not HAVE_UCX:
         pytest.skip("ucxx is not importable")
+    if request.param == "nixl" and not HAVE_NIXL:
+        pytest.skip("nixl_cu12 is not importable (pip install 'pdmesh[nixl]')")
     return request.param
 
 

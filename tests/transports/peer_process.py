@@ -2,6 +2,8 @@
 
     python peer_process.py send KIND ADDRESS RID EPOCH NUM_TOKENS PAGE_TOKENS PAGE_BYTES
         sends pages 0 and 1, then stalls (so the parent can kill or freeze it mid-transfer)
+    python peer_process.py stream KIND ADDRESS RID EPOCH NUM_TOKENS PAGE_TOKENS PAGE_BYTES
+        the same as a streamed send: pages 0 and 1 are final, the rest never become so
     python peer_process.py recv KIND RID EPOCH NUM_TOKENS PAGE_TOKENS PAGE_BYTES
         expects that transfer, prints its address, then waits
 """
@@ -13,12 +15,18 @@ import sys
 
 import numpy as np
 
-from pdmesh.transports import ExpectedTransfer, FaultPlan, TransferPlan, make_transport
+from pdmesh.transports import (
+    ExpectedTransfer,
+    FaultPlan,
+    PagesReady,
+    TransferPlan,
+    make_transport,
+)
 
 
 async def main(argv: list[str]) -> None:
     role, kind = argv[0], argv[1]
-    if role == "send":
+    if role in ("send", "stream"):
         address, rid = argv[2], argv[3]
         epoch, num_tokens, page_tokens, page_bytes = map(int, argv[4:8])
         n = -(-num_tokens // page_tokens)
@@ -27,8 +35,12 @@ async def main(argv: list[str]) -> None:
         await transport.start()
         plan = TransferPlan(rid, epoch, tuple(range(100, 100 + n)), num_tokens, page_tokens,
                             page_bytes, first_token=1, deadline_s=3600.0)
-        transport.arm(rid, FaultPlan(delay={2: 3600.0}))
-        await transport.send(address, plan, [memoryview(p) for p in pages])
+        views = [memoryview(p) for p in pages]
+        if role == "stream":
+            await transport.send(address, plan, views, PagesReady(n, ready=2))
+        else:
+            transport.arm(rid, FaultPlan(delay={2: 3600.0}))
+            await transport.send(address, plan, views)
     else:
         rid = argv[2]
         epoch, num_tokens, page_tokens, page_bytes = map(int, argv[3:7])

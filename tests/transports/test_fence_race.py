@@ -11,7 +11,8 @@ let the payload go: the next lease's pages must be untouched.
 - `test_table_*`: the receive table alone, the race step by step (no I/O, no timing).
 - `test_late_payload_*`: the same on live transports (tcp, ucx).
 - `test_randomized_*`: >= 1,000 seeded abort / deadline / duplicate interleavings per
-  transport, each ending with the pages re-leased and checked after the sender is done.
+  transport, sent whole or streamed (pages final in random steps, a producer that gives
+  up), each ending with the pages re-leased and checked after the sender is done.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pdmesh.transports import (
     POISON_BYTE,
     ExpectedTransfer,
     FaultPlan,
+    PagesReady,
     Reason,
     TransferError,
     TransferPlan,
@@ -212,11 +214,16 @@ async def _round(rng: random.Random, receiver, sender, other, address, src, dst)
     frame = rng.randrange(pages)
     stall = rng.uniform(0.0, 0.02)
     # A payload held after its header, a frame delayed, or no fault at all (the production
-    # send path: UCX pipelined, adjacent pages coalesced into one message).
-    sender.arm(rid, rng.choice((FaultPlan(stall_payload={frame: stall}),
-                                FaultPlan(delay={frame: stall}), None)))
+    # send path: UCX pipelined, adjacent pages coalesced into one message), then sent all
+    # at once or streamed: pages made final in random steps (issue 16), or a producer
+    # that gives up part-way.
+    fault = rng.choice((FaultPlan(stall_payload={frame: stall}),
+                        FaultPlan(delay={frame: stall}), None))
+    sender.arm(rid, fault)
+    ready = PagesReady(pages) if fault is None and rng.random() < 0.5 else None
+    producer = asyncio.ensure_future(_produce(rng, ready)) if ready is not None else None
     src_views = [memoryview(src[i]) for i in range(4)]
-    send = asyncio.ensure_future(sender.send(address, plan, src_views))
+    send = asyncio.ensure_future(sender.send(address, plan, src_views, ready))
     await asyncio.sleep(rng.uniform(0.0, 0.02))
     if how == "duplicate":
         await _quietly(other.send(address, plan, src_views))
@@ -230,9 +237,24 @@ async def _round(rng: random.Random, receiver, sender, other, address, src, dst)
         assert (dst[:pages] == src[:pages]).all(), "a committed transfer has wrong bytes"
     dst[:] = NEXT_LEASE  # the next lease of the same pages
     await _quietly(send)
+    if producer is not None:
+        await producer
     await asyncio.sleep(0.005)
     assert (dst == NEXT_LEASE).all(), f"late write landed in the next lease ({how})"
-    return "committed" if committed else how
+    if committed:
+        return "committed-streamed" if ready is not None else "committed"
+    return "aborted" if ready is not None and ready.failed else how
+
+
+async def _produce(rng: random.Random, ready: PagesReady) -> None:
+    """A streamed sender's producer: pages final in random steps; now and then it gives up."""
+    gives_up = rng.random() < 0.2
+    while ready.ready < ready.total:
+        await asyncio.sleep(rng.uniform(0.0, 0.01))
+        if gives_up and rng.random() < 0.5:
+            ready.fail(RuntimeError("producer gave up"))
+            return
+        ready.advance(rng.randint(ready.ready + 1, ready.total))
 
 
 @pytest.mark.slow
@@ -253,4 +275,5 @@ async def test_randomized_fence_races_never_land_a_late_write(kind):
         await asyncio.gather(*(lane(n) for n in range(LANES)))
     assert sum(outcomes.values()) >= RACE_ROUNDS - LANES
     # Every kind of ending happened (the test exercised the paths it claims to).
-    assert {"abort", "deadline", "duplicate", "committed"} <= set(outcomes), outcomes
+    assert {"abort", "deadline", "duplicate", "committed", "committed-streamed",
+            "aborted"} <= set(outcomes), outcomes

@@ -1,4 +1,5 @@
-"""Peer loss mid-transfer (killed, frozen) fails both sides within about a second."""
+"""Peer loss mid-transfer (killed, frozen) fails both sides within about a second; a
+streamed sender frozen between chunks is bounded by the receiving slot's deadline."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import PROGRESS_S
 from transport_cases import Pages
 
 from pdmesh.transports import ExpectedTransfer, Reason, TransferError, TransferPlan
@@ -76,5 +78,45 @@ async def test_receiver_frozen(pair, kind):
             await sender.send(address, plan, src.views())
         assert time.monotonic() - started < 2.0
         assert sent.value.reason is Reason.PEER_LOST
+    finally:
+        await reap(proc)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+async def test_streamed_sender_killed_or_frozen_between_chunks(pair, kind, sig):
+    """A streamed sender sent pages 0 and 1 (the last flagged PAUSE) and waits for the
+    next chunk. Killed: the receiver knows at once. Frozen: it cannot be told from a long
+    prefill chunk, so the link is kept past the progress timeout and the receiving slot's
+    own deadline ends it (decode's liveness checks end it earlier in the mesh)."""
+    receiver, _, address = pair
+    n = NUM_TOKENS // PAGE_TOKENS
+    dst = Pages(n, PAGE_BYTES, seed=5)
+    snapshot = dst.snapshot()
+    rid = uuid.uuid4().hex
+    deadline_s = 8 * PROGRESS_S
+    fut = receiver.expect(ExpectedTransfer(rid, 1, tuple(range(100, 100 + n)), dst.views(),
+                                           PAGE_BYTES, PAGE_TOKENS, NUM_TOKENS, deadline_s))
+    expected = time.monotonic() + deadline_s
+    proc = await spawn("stream", kind, address, rid, "1", str(NUM_TOKENS), str(PAGE_TOKENS),
+                       str(PAGE_BYTES))
+    try:
+        while receiver.stats.frames_received < 2:
+            assert time.monotonic() < expected and not fut.done()
+            await asyncio.sleep(0.01)
+        proc.send_signal(sig)
+        started = time.monotonic()
+        if sig == signal.SIGSTOP:
+            await asyncio.sleep(3 * PROGRESS_S)
+            assert not fut.done(), "a paused transfer was torn down by the progress timeout"
+        with pytest.raises(TransferError) as got:
+            await asyncio.wait_for(fut, deadline_s + 5)
+        if sig == signal.SIGKILL:
+            assert time.monotonic() - started < 1.5
+            assert got.value.reason is Reason.PEER_LOST
+        else:
+            assert got.value.reason is Reason.DEADLINE
+            assert time.monotonic() > expected - 0.1
+        assert (dst.array[:2] == 0xFF).all()  # what landed is poisoned
+        assert (dst.array[2:] == snapshot[2:]).all()
     finally:
         await reap(proc)

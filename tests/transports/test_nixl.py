@@ -1,0 +1,167 @@
+"""What only the nixl transport has: one-sided WRITEs into a receiver-owned staging region.
+
+The conformance suite, the fence races, peer loss and streaming run on nixl through the
+`kind` fixture (conftest.py). These tests pin the staging design (transports/nixl.py):
+a WRITE can land only in staging, never in a page; a region is not lent again before its
+sender said it is done; transfers larger than the region flow by credits; a page that
+does not fit and a peer that speaks another protocol fail cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import PROGRESS_S
+from transport_cases import make_case
+
+from pdmesh.transports import Reason, TransferError, make_transport
+
+pytest.importorskip("nixl_cu12", reason="nixl_cu12 is not importable (pip install 'pdmesh[nixl]')")
+
+pytestmark = pytest.mark.nixl
+PAGE = 64 << 10
+NEXT_LEASE = 0x22
+
+
+@contextlib.asynccontextmanager
+async def _nixl(**receiver_options):
+    receiver = make_transport("nixl", progress_timeout_s=PROGRESS_S, **receiver_options)
+    sender = make_transport("nixl", progress_timeout_s=PROGRESS_S)
+    address = await receiver.start()
+    await sender.start()
+    try:
+        yield receiver, sender, address
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+async def _until(predicate, seconds: float = 3.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def _span(array: np.ndarray) -> tuple[int, int]:
+    start = array.ctypes.data
+    return start, start + array.nbytes
+
+
+async def test_a_late_write_lands_in_staging_never_in_the_next_lease():
+    async with _nixl() as (receiver, sender, address):
+        src, dst, target, plan = make_case(page_bytes=PAGE)
+        fut = receiver.expect(target)
+        await sender.send(address, plan, src.views())  # the link stays pooled
+        await fut
+        # The next reservation into other pages is fenced before its sender writes ...
+        _, dst2, target2, _ = make_case(page_bytes=PAGE, seed=7)
+        receiver.expect(target2)
+        await receiver.fence(target2.reservation_id)
+        dst2.array[:] = NEXT_LEASE  # ... and its pages are re-leased.
+        (link, out), = sender._out.items()
+        (region,) = receiver._lent.values()
+        # The only address a sender ever gets is the region's: it overlaps no page.
+        assert (out.address, out.address + out.length) == _span(region.array)
+        for pages in (dst.array, dst2.array):
+            lo, hi = _span(pages)
+            assert hi <= out.address or lo >= out.address + out.length
+        # A late WRITE (a sender that did not stop) lands, in staging only.
+        late = np.full(PAGE, 0x77, np.uint8)
+        sender._post(out, [memoryview(late)], [0], PAGE, [])
+        await sender._written(out, 2.0)
+        await asyncio.sleep(0.05)
+        assert (region.array[:PAGE] == 0x77).all()
+        assert (dst2.array == NEXT_LEASE).all()
+        n = target.num_pages
+        assert (dst.array[:n] == src.array[:n]).all()  # the committed lease is untouched too
+        assert link is not None
+
+
+async def test_a_transfer_larger_than_staging_flows_by_credits():
+    async with _nixl(staging_bytes=2 * PAGE) as (receiver, sender, address):
+        src, dst, target, plan = make_case(num_tokens=16 * 9, page_tokens=16, page_bytes=PAGE)
+        assert target.num_pages == 9  # > 2 slots: every slot is written four or five times
+        fut = receiver.expect(target)
+        await sender.send(address, plan, src.views())
+        await fut
+        assert (dst.array[:9] == src.array[:9]).all()
+
+
+async def test_a_page_larger_than_staging_is_refused_before_any_write():
+    async with _nixl(staging_bytes=PAGE // 2) as (receiver, sender, address):
+        src, dst, target, plan = make_case(page_bytes=PAGE)
+        snapshot = dst.snapshot()
+        fut = receiver.expect(target)
+        with pytest.raises(TransferError) as sent:
+            await sender.send(address, plan, src.views())
+        assert sent.value.reason is Reason.INVALID_PLAN
+        assert "staging region" in str(sent.value)
+        await receiver.fence(target.reservation_id)
+        with pytest.raises(TransferError):
+            await fut
+        assert (dst.array == snapshot).all()
+
+
+async def test_a_region_is_lent_again_only_after_its_senders_release():
+    async with _nixl(max_staging=1) as (receiver, sender, address):
+        src, _, target, plan = make_case(page_bytes=PAGE)
+        fut = receiver.expect(target)
+        await sender.send(address, plan, src.views())
+        await fut
+        # The sender vanishes without a word (crash, partition): its link just ends.
+        (link, out), = sender._out.items()
+        del sender._out[link]
+        sender._idle.clear()
+        link.close()
+        await _until(lambda: receiver.staging_retired == 1)
+        # The one region is not lent to anybody else while that sender may still write.
+        src2, _, target2, plan2 = make_case(page_bytes=PAGE, seed=3)
+        fut2 = receiver.expect(target2)
+        with pytest.raises(TransferError) as refused:
+            await sender.send(address, plan2, src2.views())
+        assert refused.value.reason is Reason.PEER_LOST
+        assert "staging regions are in use or retired" in str(refused.value)
+        assert receiver.staging_retired == 1
+        # Its release notification (every WRITE of it ended) frees the region.
+        sender._release(out)
+        await _until(lambda: receiver.staging_retired == 0)
+        await sender.send(address, plan2, src2.views())
+        await fut2
+
+
+async def test_a_closed_sender_releases_its_regions():
+    async with _nixl() as (receiver, sender, address):
+        src, _, target, plan = make_case(page_bytes=PAGE)
+        fut = receiver.expect(target)
+        await sender.send(address, plan, src.views())
+        await fut
+        await sender.close()  # discards the pooled link: its release goes out
+        await _until(lambda: not receiver._lent and receiver.staging_retired == 0)
+        assert len(receiver._free) == 1
+
+
+async def test_tcp_and_nixl_peers_refuse_each_other_cleanly():
+    tcp = make_transport("tcp", progress_timeout_s=PROGRESS_S)
+    tcp_address = await tcp.start()
+    try:
+        async with _nixl() as (receiver, sender, address):
+            src, _, target, plan = make_case(page_bytes=PAGE)
+            with pytest.raises(TransferError) as sent:
+                await sender.send(tcp_address.replace("tcp://", "nixl://"), plan, src.views())
+            assert sent.value.reason is Reason.PEER_LOST
+            assert "nixl set-up" in str(sent.value)  # (a TCP receiver awaits a header)
+            fut = receiver.expect(target)
+            with pytest.raises(TransferError) as sent:
+                await tcp.send(address.replace("nixl://", "tcp://"), plan, src.views())
+            assert sent.value.reason is Reason.PEER_LOST
+            assert not fut.done()  # a foreign protocol changed nothing ...
+            await sender.send(address, dataclasses.replace(plan), src.views())
+            await fut  # ... and the receiver still serves nixl senders
+    finally:
+        await tcp.close()
