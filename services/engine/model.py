@@ -16,9 +16,12 @@ construction:
   (Until issue 17 every step was padded to 16 rows, which made a batch-1 step pay for 16;
   see services/engine/README.md.) Row-wise reductions (RMSNorm) reduce one row of `dim`
   floats, far below ATen's parallel grain, so they do not split with the row count;
-* attention is computed per request (one SDPA call per request per layer) over that
-  request's own K/V only, gathered into a contiguous [T, kv_heads, head_dim] tensor; the
-  paged gather and a contiguous cache give the same tensor, hence the same bits;
+* attention is computed per request (one SDPA call per request per layer; two merged
+  flash calls for a prefill chunk on CPU, `_chunk_attention`) over that request's own K/V
+  only, gathered into a contiguous [T, kv_heads, head_dim] tensor; the paged gather and a
+  contiguous cache give the same tensor, hence the same bits, and every attention shape
+  depends only on the request's own positions (a decode row's query heads are folded onto
+  their KV heads, [1, kv_heads, group, hd], whatever the batch);
 * prefill is chunked at fixed absolute positions (multiples of PREFILL_CHUNK), whatever
   worker runs it, so the KV bytes a prefill worker ships equal the reference's bytes.
 Caveat: the processes must use the same torch build, device, dtype and thread count.
@@ -30,6 +33,7 @@ is four matmuls (and RoPE runs once over q and k together).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -155,6 +159,43 @@ class KVView(Protocol):
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K, V [length, kv_heads, head_dim] of positions 0..length."""
 
+    @staticmethod
+    def for_segments(segments: list[Segment]) -> SegmentsKV:
+        """The store of one forward's segments (all of this KVView type), batched per
+        layer: a paged store writes and gathers every segment in one call per layer."""
+
+
+class SegmentsKV(Protocol):
+    """The KV of every segment of one forward, written and read one layer at a time."""
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store each segment's rows of k, v [N, kv_heads, head_dim] (the forward's rows;
+        padding rows are not stored) at the segment's positions."""
+
+    def read(self, layer: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """Per segment in order, K and V [1, kv_heads, T, head_dim] (SDPA's layout) of its
+        positions 0..T, T = start_pos + num_rows. A paged store yields them lazily: a
+        segment's pair is valid until the next one is taken."""
+
+
+class PerSegmentKV:
+    """SegmentsKV over per-request KVViews, one call per segment (contiguous caches)."""
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self.segments = segments
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for seg in self.segments:
+            rows = slice(seg.row, seg.row + seg.num_rows)
+            seg.kv.write(layer, seg.start_pos, k[rows], v[rows])
+
+    def read(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for seg in self.segments:
+            keys, values = seg.kv.read(layer, seg.start_pos + seg.num_rows)
+            out.append((keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)))
+        return out
+
 
 class ContiguousKV:
     """A per-request contiguous cache [n_layers, 2, max_tokens, kv_heads, head_dim]."""
@@ -171,6 +212,10 @@ class ContiguousKV:
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache[layer, 0, :length], self.cache[layer, 1, :length]
 
+    @staticmethod
+    def for_segments(segments: list[Segment]) -> SegmentsKV:
+        return PerSegmentKV(segments)
+
 
 @dataclass
 class Segment:
@@ -185,6 +230,36 @@ class Segment:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()  # no-op in fp32; reduces in fp32 under bf16/fp16
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [N, heads, head_dim] with cos/sin [N, 1, head_dim/2] of its
+    positions, in fp32 (a no-op cast in fp32)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     start: int) -> torch.Tensor:
+    """Causal attention of a prefill chunk on CPU: query [1, heads, n, hd] holds positions
+    start..start+n, keys/values [1, kv_heads, start+n, hd] positions 0..start+n.
+
+    Two flash-attention calls instead of one with an explicit [n, start+n] mask (issue
+    17, change 5 in README.md): the earlier chunks' keys, which every row sees (no mask),
+    and the chunk's own keys with `is_causal` (top-left aligned: row i sees keys 0..i of
+    the chunk), whose upper triangle the kernel skips; the two partial results are merged
+    by their log-sum-exp. Every operation's shape depends only on (start, n), never on the batch,
+    so the bits do not either; the reference engine runs this same function."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    own, own_lse = flash(query, keys[:, :, start:], values[:, :, start:], 0.0, True)
+    if start == 0:
+        return own
+    past, past_lse = flash(query, keys[:, :, :start], values[:, :, :start], 0.0, False)
+    top = torch.maximum(own_lse, past_lse)
+    own_w = (own_lse - top).exp_().unsqueeze(-1)
+    past_w = (past_lse - top).exp_().unsqueeze(-1)
+    merged = (own.float() * own_w + past.float() * past_w) / (own_w + past_w)
+    return merged.to(query.dtype)
 
 
 def tiles_agree(shapes: list[tuple[int, int]], tiles: tuple[int, ...], device: torch.device,
@@ -235,45 +310,61 @@ class LlamaModel:
             self._tiles_for_threads = (threads, DECODE_TILES if ok else (DECODE_TILE,))
         return self._tiles_for_threads[1]
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x [N, heads, head_dim], rotate-half convention, in fp32 (a no-op cast in fp32).
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
     ) -> torch.Tensor:
         """Hidden states after the final norm, [N, dim]. Rows outside every segment are
-        padding: they write no KV and attend to nothing."""
+        padding: they write no KV and attend to nothing.
+
+        Per layer: the K/V of every segment is written, then read back (a paged store
+        does each in one call for the whole batch), and attention runs per segment over
+        that segment's own keys only (see the module docstring)."""
         cfg, w = self.config, self.weights
         n, heads, kv_heads, hd = token_ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qk_dim = cfg.q_dim + cfg.kv_dim
+        kinds = {type(seg.kv) for seg in segments}
+        if len(kinds) != 1:
+            raise ValueError(f"one forward needs one KV store type, got {sorted(map(str, kinds))}")
+        store = kinds.pop().for_segments(segments)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        masks = []
+        for seg in segments:  # causal within the chunk, all earlier chunks visible
+            mask = None
+            if seg.num_rows > 1 and self.device.type != "cpu":  # on CPU: _chunk_attention
+                query_pos = torch.arange(seg.num_rows, device=self.device) + seg.start_pos
+                key_pos = torch.arange(seg.start_pos + seg.num_rows, device=self.device)
+                # Additive, built once per forward: SDPA would turn a boolean mask into
+                # this same 0/-inf tensor in every layer.
+                mask = torch.zeros(key_pos.shape[0], dtype=self.dtype, device=self.device
+                                   ).masked_fill(key_pos > query_pos[:, None], float("-inf"))
+            masks.append(mask)
         x = w.embed[token_ids]
         for index, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
             qkv = F.linear(h, layer.wqkv)
-            qk = self._rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), positions)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, qk_dim:].view(n, kv_heads, hd)
+            qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
+            store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
+            q = qk[:, :heads]
             attn = torch.zeros(n, heads, hd, dtype=x.dtype, device=x.device)
-            for seg in segments:
+            for seg, mask, (keys, values) in zip(segments, masks, store.read(index),
+                                                 strict=True):
                 rows = slice(seg.row, seg.row + seg.num_rows)
-                seg.kv.write(index, seg.start_pos, k[rows], v[rows])
-                keys, values = seg.kv.read(index, seg.start_pos + seg.num_rows)
-                mask = None
-                if seg.num_rows > 1:  # causal within the chunk, all earlier chunks visible
-                    query_pos = torch.arange(seg.num_rows, device=x.device) + seg.start_pos
-                    key_pos = torch.arange(keys.shape[0], device=x.device)
-                    mask = key_pos[None, :] <= query_pos[:, None]
-                out = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1).unsqueeze(0),
-                    keys.transpose(0, 1).unsqueeze(0),
-                    values.transpose(0, 1).unsqueeze(0),
-                    attn_mask=mask,
-                    enable_gqa=True,
-                )
+                if seg.num_rows == 1:
+                    # Decode: the query heads sharing a KV head become that head's query
+                    # rows ([1, kv_heads, group, hd], no mask: a decode row sees every
+                    # key), so SDPA runs kv_heads heads of `group` rows instead of
+                    # n_heads heads of one row (issue 17, change 4 in README.md).
+                    out = F.scaled_dot_product_attention(
+                        q[rows].reshape(1, kv_heads, heads // kv_heads, hd), keys, values)
+                    attn[rows] = out.view(1, heads, hd)
+                    continue
+                query = q[rows].transpose(0, 1).unsqueeze(0)
+                if mask is None:
+                    out = _chunk_attention(query, keys, values, seg.start_pos)
+                else:
+                    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                         enable_gqa=True)
                 attn[rows] = out[0].transpose(0, 1)
             x = x + F.linear(attn.view(n, cfg.q_dim), layer.wo)
             h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)

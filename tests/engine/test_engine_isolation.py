@@ -167,3 +167,33 @@ def test_decode_logits_bits_do_not_depend_on_batch_size_or_row(tiny) -> None:
             logits = ref.decode([caches[i] for i in order], [5 + i for i in order],
                                 [len(prompts[i]) for i in order])
             assert torch.equal(logits[row], alone), (size, row)
+
+
+def test_paged_decode_logits_bits_equal_reference_alone_and_batched(tiny) -> None:
+    """The paged store (one write per layer for the batch, one gather per request from the
+    pool's flat page rows) gives a request the reference's logits bit for bit, alone and
+    in the middle of a batch whose leases hold interleaved, out-of-order pages."""
+    ref = ReferenceEngine(tiny)
+    prompts = [prompt(200 + i, 5 + 37 * i) for i in range(7)]
+    pool = make_pool(tiny, num_pages=120, page_tokens=16)
+    engine = Engine(tiny, pool)
+    spacers = [pool.allocate(f"s{i}", 16 * (i + 1)) for i in range(3)]
+    leases = []
+    for i, p in enumerate(prompts):  # free spacers between allocations: scattered pages
+        leases.append(_prefilled(engine, pool, f"r{i}", p)[0])
+        if spacers:
+            pool.release(spacers.pop(), "spacer")
+    assert any(list(lease.page_ids) != list(range(lease.page_ids[0], lease.page_ids[0]
+                                                   + lease.num_pages)) for lease in leases)
+    cache = ref.new_cache(len(prompts[3]) + 4)
+    ref.prefill(cache, prompts[3])
+    expected = ref.decode([cache], [9], [len(prompts[3])])[0]
+    alone = engine.decode_step([DecodeSlot(leases[3], 9, len(prompts[3]))])[0]
+    assert torch.equal(alone, expected)
+    # The batched case decodes the same prompt from a second, freshly prefilled lease.
+    fresh = _prefilled(engine, pool, "r3b", prompts[3])[0]
+    batch = [DecodeSlot(fresh, 9, len(prompts[3])) if i == 3
+             else DecodeSlot(leases[i], 1, len(prompts[i])) for i in range(len(prompts))]
+    logits = engine.decode_step(batch)
+    assert torch.equal(logits[3], expected)
+    assert not torch.equal(logits[2], expected)
