@@ -419,6 +419,19 @@ class KVPool:
             raise NotImplementedError("page_view needs a CPU pool; use page_tensor")
         return memoryview(self._byte_pages[lease.page_ids[page_index]]).toreadonly()
 
+    def streaming_view(self, lease: Lease, page_index: int) -> memoryview:
+        """Read-only raw bytes of one page of a live lease whose tokens may not be written
+        yet: a streamed send holds these from the start and reads a page only once the
+        caller's `check_readable` passed for it (prefill does so before `PagesReady`
+        releases the page to the transport)."""
+        if not 0 <= page_index < lease.num_pages:
+            raise self._deny(lease, None, f"page index {page_index} out of range")
+        self._check_lease(lease)
+        self._check_pages(lease, page_index, page_index + 1, shared_ok=True)
+        if self._byte_pages is None:
+            raise NotImplementedError("streaming_view needs a CPU pool; use page_tensor")
+        return memoryview(self._byte_pages[lease.page_ids[page_index]]).toreadonly()
+
     def page_tensor(self, lease: Lease, page_index: int) -> torch.Tensor:
         """Writable tensor view [num_layers, 2, page_tokens, kv_heads, head_dim] of one page."""
         if not 0 <= page_index < lease.num_pages:

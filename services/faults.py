@@ -44,6 +44,7 @@ from pdmesh.transports import (
     FaultInjectingTransport,
     FaultPlan,
     KVTransport,
+    PagesReady,
     TransferAck,
     TransferPlan,
     make_transport,
@@ -143,10 +144,16 @@ class FaultySender:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def send(self, address: str, plan: TransferPlan,
-                   page_buffers: Sequence[memoryview]) -> TransferAck:
+    async def send(self, address: str, plan: TransferPlan, page_buffers: Sequence[memoryview],
+                   ready: PagesReady | None = None) -> TransferAck:
         fault = self.armed.pop(plan.reservation_id, "")
         buffers = list(page_buffers)
+        if fault and ready is not None:
+            # A faulted transfer is not streamed: every page (and the first token) first.
+            await ready.wait(ready.total)
+            if ready.first_token is not None:
+                plan = dataclasses.replace(plan, first_token=ready.first_token)
+            ready = None
         if fault == "stub_transfer":
             # The incident: a "rejected" prompt replaced by a 1-token stub, handed off anyway.
             plan = dataclasses.replace(plan, num_tokens=1, dest_page_ids=plan.dest_page_ids[:1])
@@ -162,7 +169,7 @@ class FaultySender:
         frame_faults = data_plane_plan(fault, len(buffers), plan.page_bytes)
         if frame_faults is not None:
             self.inner.arm(plan.reservation_id, frame_faults)
-        return await self.inner.send(address, plan, buffers)
+        return await self.inner.send(address, plan, buffers, ready)
 
 
 class FaultIntake:

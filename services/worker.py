@@ -58,7 +58,13 @@ class WorkerBase:
                                       page_tokens=cfg.page_tokens,
                                       scrub=ScrubPolicy[cfg.scrub.upper()])
         self.engine = Engine(self.model, self.pool)
-        self.configured_context = cfg.max_context or self.model.config.max_context
+        model_context = self.model.config.max_context
+        if cfg.max_context > model_context:
+            # The engine cannot attend past its positions (RoPE table): advertising more
+            # would admit prompts it then fails (a 502 after admission, not a 400).
+            raise ValueError(f"--max-context {cfg.max_context} exceeds the {model_context} "
+                             f"positions model {cfg.model!r} supports; lower it")
+        self.configured_context = cfg.max_context or model_context
         self.served_context, self.mismatch = audit_capacity(
             self.configured_context, self.pool.capacity_tokens, cfg.on_capacity_mismatch,
             cfg.role)

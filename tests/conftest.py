@@ -31,5 +31,5 @@ def nats_server() -> Iterator[NatsServer]:
 def live_mesh() -> Iterator[Mesh]:
     with run_mesh("--kv-tokens", str(LIVE_MESH_KV_TOKENS),
                   env=mesh_env(PDMESH_ALLOW_FAULTS="1", PDMESH_FAULTS="request_faults",
-                               PDMESH_TRANSFER_DEADLINE_S="5")) as mesh:
+                               PDMESH_PREFILL_STALL_S="5")) as mesh:
         yield mesh

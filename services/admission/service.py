@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Mapping
 
+import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Histogram
 
@@ -208,11 +209,20 @@ class AdmissionService:
         self.registry.charge(m.Role.DECODE, decode.worker_id,
                              len(req.prompt_ids) + req.max_tokens)
         self.registry.charge(m.Role.PREFILL, prefill.worker_id, len(req.prompt_ids))
-        await self.rt.publish(m.dispatch_subject(prefill.worker_id), m.PrefillDispatch(
-            ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
-            reservation=res.reservation,
-            grant=tickets.grant(self.cfg.mesh_secret, ticket, req.prompt_ids, res.reservation)),
-            headers=self.policy.dispatch_headers(headers))
+        try:
+            await self.rt.publish(m.dispatch_subject(prefill.worker_id), m.PrefillDispatch(
+                ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
+                reservation=res.reservation, grant=tickets.grant(
+                    self.cfg.mesh_secret, ticket, req.prompt_ids, res.reservation)),
+                headers=self.policy.dispatch_headers(headers))
+        except nats.errors.MaxPayloadError as exc:
+            # A NATS configured below the mesh's max_payload (services/natsauth.py): the
+            # submit fitted, its dispatch does not. Decode lets go now; the client learns why.
+            await self.rt.publish(m.release_subject(decode.worker_id), m.Release(
+                request_id=req.request_id, reservation_id=res.reservation.reservation_id,
+                outcome=m.Outcome(code=m.Code.INVALID, detail=str(exc))))
+            return Rejected(m.Code.INVALID, "the prompt's dispatch exceeds this mesh's NATS "
+                            f"max_payload ({self.rt.nc.max_payload} bytes): {exc}")
         self.dispatches.inc()
         self.decisions.labels("admitted").inc()
         return m.Admitted(request_id=req.request_id, decode_worker=decode.worker_id,

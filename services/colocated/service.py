@@ -9,6 +9,10 @@ prefilled straight into the reserved lease (the engine marks the pages written),
 decoding continues exactly as on a decode worker. Every other guard is the same: signed
 tickets (checked for both roles), prefill's token-range recheck, lease read checks, and the
 same request lifecycle and release paths.
+
+Long prompts run one chunk at a time (`prefill_windows`, the same chunks as a prefill
+worker), with a `PrefillProgress` to the gateway after each and for every queued dispatch
+every `prefill_stall_s / 4`; an abort stops the prefill at the next chunk boundary.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 
+import nats.errors
+import torch
 from nats.aio.msg import Msg
 
 from pdmesh.services import messages as m
 from pdmesh.services.config import ServiceConfig
 from pdmesh.services.decode.service import DecodeRequest, DecodeService
+from pdmesh.services.engine.model import prefill_windows
 from pdmesh.services.errors import TicketError
 from pdmesh.services.lifecycle import RequestState
 from pdmesh.services.tickets import TicketVerifier, verify_grant
@@ -32,7 +40,7 @@ log = logging.getLogger("pdmesh.colocated")
 
 class LocalPrefill:
     """The colocated worker's KV intake: dispatches are prefilled into the reserved lease,
-    one at a time. A dispatch that never comes frees the lease at the transfer deadline."""
+    one at a time. A dispatch that does not come within `prefill_stall_s` frees the lease."""
 
     def __init__(self, cfg: ServiceConfig) -> None:
         # The ticket names this worker twice; each role checks (and burns) it once.
@@ -40,21 +48,48 @@ class LocalPrefill:
         self._dispatches: collections.deque[m.PrefillDispatch] = collections.deque()
         self._dispatched = asyncio.Event()
         self.svc: DecodeService | None = None
+        self._running = ""  # the request being prefilled
 
     async def attach(self, svc: DecodeService) -> None:
         self.svc = svc
         await svc.rt.subscribe(m.dispatch_subject(svc.cfg.worker_id), m.PrefillDispatch,
                                self._on_dispatch, concurrent=False)
         svc.rt.spawn(self._prefill_loop(svc), "prefill-loop")
+        svc.rt.every(svc.cfg.prefill_stall_s / 4, self._keepalive, "prefill-keepalive")
+
+    async def _keepalive(self) -> None:
+        """Queued dispatches are held and alive: the gateway keeps waiting for them."""
+        svc = self.svc
+        assert svc is not None
+        for d in list(self._dispatches):
+            dreq = svc.requests.get(d.ticket.request_id)
+            if dreq is not None and dreq.state is RequestState.RESERVED:
+                await self._progress(svc, d, dreq, 0)
+
+    @staticmethod
+    async def _progress(svc: DecodeService, d: m.PrefillDispatch, dreq: DecodeRequest,
+                        done: int) -> None:
+        """The request is held and moving: decode's own liveness check and the gateway's
+        wait for the first token both go by it."""
+        dreq.progress_at = time.monotonic()
+        msg = m.PrefillProgress(request_id=d.ticket.request_id,
+                                reservation_id=d.reservation.reservation_id,
+                                done_tokens=done, total_tokens=len(d.prompt_ids))
+        try:
+            await svc.rt.publish(m.tokens_subject(d.ticket.request_id), msg)
+        except (nats.errors.Error, OSError) as exc:  # best effort: the next one covers it
+            log.warning("progress of %s not sent: %s", d.ticket.request_id, exc)
 
     def expect(self, svc: DecodeService, dreq: DecodeRequest) -> None:
         svc.rt.spawn(self._dispatch_deadline(svc, dreq), f"deadline:{dreq.request_id}")
 
     async def _dispatch_deadline(self, svc: DecodeService, dreq: DecodeRequest) -> None:
-        await asyncio.sleep(svc.cfg.transfer_deadline_s)
-        if dreq.state is RequestState.RESERVED:
-            await svc.end(dreq, m.Outcome(code=m.Code.DEADLINE,
-                                          detail="no dispatch within the transfer deadline"))
+        await asyncio.sleep(svc.cfg.prefill_stall_s)
+        if dreq.state is RequestState.RESERVED and dreq.request_id != self._running and not any(
+                d.ticket.request_id == dreq.request_id for d in self._dispatches):
+            await svc.end(dreq, m.Outcome(
+                code=m.Code.DEADLINE,
+                detail=f"no dispatch within {svc.cfg.prefill_stall_s:g}s"))
 
     async def _on_dispatch(self, d: m.PrefillDispatch, _msg: Msg) -> None:
         svc = self.svc
@@ -79,6 +114,7 @@ class LocalPrefill:
             return
         self._dispatches.append(d)
         self._dispatched.set()
+        await self._progress(svc, d, dreq, 0)
 
     async def _prefill_loop(self, svc: DecodeService) -> None:
         while True:
@@ -90,18 +126,34 @@ class LocalPrefill:
             dreq = svc.requests.get(d.ticket.request_id)
             if dreq is None or dreq.state is not RequestState.RESERVED:
                 continue  # aborted while queued; its lease is already back
+            try:
+                self._running = dreq.request_id
+                logits = await self._prefill(svc, d, dreq)
+            finally:
+                self._running = ""
+            if logits is None:
+                continue
+            first = dreq.sampler.sample(logits)  # the request's one sampler (index 0)
+            await svc.start_decoding(dreq, first, time.monotonic())
+
+    async def _prefill(self, svc: DecodeService, d: m.PrefillDispatch,
+                       dreq: DecodeRequest) -> torch.Tensor | None:
+        """Prefill chunk by chunk; the last chunk's logits, or None when it ended."""
+        logits = None
+        for start, length in prefill_windows(0, len(d.prompt_ids)):
             dreq.pinned = True  # the engine thread writes this lease: defer any release
             try:
-                logits = await svc.compute(svc.engine.prefill, dreq.lease, d.prompt_ids)
+                logits = await svc.compute(svc.engine.prefill, dreq.lease,
+                                           d.prompt_ids[start:start + length], start)
             except Exception as exc:
                 log.exception("colocated prefill of %s failed", dreq.request_id)
                 dreq.finish(m.Outcome(code=m.Code.INTERNAL, detail=str(exc)))
             lease = dreq.unpin()
-            if lease is not None:  # ended during the prefill (or by it)
+            if lease is not None:  # ended during the chunk (or by it): stop here
                 await svc.conclude(dreq, lease)
-                continue
-            first = dreq.sampler.sample(logits)  # the request's one sampler (index 0)
-            await svc.start_decoding(dreq, first)
+                return None
+            await self._progress(svc, d, dreq, start + length)
+        return logits
 
 
 def build(cfg: ServiceConfig) -> DecodeService:

@@ -58,6 +58,7 @@ class DecodeRequest:
     pinned: bool = False  # the engine thread is reading or writing this lease right now
     transfer_task: asyncio.Task[None] | None = None
     reserved_at: float = field(default_factory=time.monotonic)
+    progress_at: float = field(default_factory=time.monotonic)  # prefill's latest word
 
     def __post_init__(self) -> None:
         self.lifecycle = Lifecycle(self.ticket.request_id, RequestState.RESERVED)
@@ -158,7 +159,7 @@ class DecodeService(WorkerBase):
     async def subscribe(self) -> None:
         wid = self.cfg.worker_id
         await self.rt.subscribe(m.reserve_subject(wid), m.ReserveRequest, self._on_reserve)
-        await self.rt.subscribe(m.release_subject(wid), m.Release, self._on_release)
+        await self.rt.subscribe(m.release_subject(wid), m.ToDecode, self._on_release)
         await self.rt.subscribe(m.ABORT_SUBJECT, m.Abort, self._on_abort)
         await self.rt.subscribe(m.heartbeat_subject("prefill", "*"), m.Heartbeat,
                                 self._on_prefill_heartbeat, concurrent=False)
@@ -171,7 +172,9 @@ class DecodeService(WorkerBase):
 
     async def _watch_prefills(self) -> None:
         """Fail reservations whose prefill worker stopped heartbeating (killed, frozen,
-        partitioned) instead of holding the pages until the transfer deadline (I6)."""
+        partitioned: within the worker TTL) or stopped reporting progress for the request
+        (`prefill_stall_s`): liveness by progress, not a fixed deadline, so a long prompt
+        that keeps computing is never cut, and a stuck one never holds its pages (I6)."""
         now = time.monotonic()
         # Forget prefills not heard of within the TTL: the map stays bounded by the live
         # prefills (a forgotten one counts from the reservation, which decides the same).
@@ -186,6 +189,11 @@ class DecodeService(WorkerBase):
                 await self.end(dreq, m.Outcome(
                     code=m.Code.PEER_RELEASED,
                     detail=f"prefill worker {dreq.ticket.prefill_worker} stopped heartbeating"))
+            elif now - dreq.progress_at > self.cfg.prefill_stall_s:
+                await self.end(dreq, m.Outcome(
+                    code=m.Code.DEADLINE,
+                    detail=f"prefill worker {dreq.ticket.prefill_worker} reported no progress "
+                    f"for {self.cfg.prefill_stall_s:g}s"))
 
     def active_requests(self) -> int:
         return len(self.requests)
@@ -245,6 +253,7 @@ class DecodeService(WorkerBase):
                              fut: asyncio.Future[TransferResult]) -> None:
         try:
             result = await fut
+            committed_at = time.monotonic()
         except TransferError as exc:
             self.transfers.labels(exc.reason.name.lower()).inc()
             await self.end(dreq, m.Outcome(code=m.Code.TRANSFER_FAILED,
@@ -276,20 +285,24 @@ class DecodeService(WorkerBase):
             remaining -= page
         self.transfers.labels("ok").inc()
         self.kv_bytes.labels("in").inc(result.bytes)
-        await self.start_decoding(dreq, result.first_token)
+        await self.start_decoding(dreq, result.first_token, committed_at)
 
-    async def start_decoding(self, dreq: DecodeRequest, first_token: int) -> None:
-        """The prompt's KV is in this lease and verified: publish the first token, decode."""
+    async def start_decoding(self, dreq: DecodeRequest, first_token: int,
+                             since: float | None = None) -> None:
+        """The prompt's KV is in this lease and verified (at `since`): publish the first
+        token, decode."""
         dreq.lifecycle.advance(RequestState.TRANSFERRED)
-        await self._emit(dreq, first_token)
+        await self._emit(dreq, first_token, since)
         if not dreq.lifecycle.is_terminal:
             dreq.lifecycle.advance(RequestState.DECODING)
             self.scheduler.add(dreq)
             self._work.set()
 
     # -- generation ---------------------------------------------------------------------
-    async def _emit(self, dreq: DecodeRequest, token: int) -> None:
-        """Record and publish one token; finish the request when it is the last."""
+    async def _emit(self, dreq: DecodeRequest, token: int,
+                    committed_at: float | None = None) -> None:
+        """Record and publish one token; finish the request when it is the last. The first
+        carries decode's own share of the time to first token (from `committed_at`)."""
         dreq.generated.append(token)
         self.tokens_out.inc()
         finish: m.Outcome | None = None
@@ -299,7 +312,9 @@ class DecodeService(WorkerBase):
             finish = m.FINISHED_LENGTH
         event = m.TokenEvent(request_id=dreq.request_id, seq=dreq.seq, token_ids=[token],
                              finish=finish, prompt_tokens=dreq.ticket.prompt_len,
-                             logprobs=dreq.sampler.take_logprobs(token))
+                             logprobs=dreq.sampler.take_logprobs(token),
+                             decode_first_token_s=None if committed_at is None
+                             else time.monotonic() - committed_at)
         dreq.seq += 1
         lease = dreq.finish(finish) if finish is not None else None
         if lease is not None:
@@ -335,10 +350,14 @@ class DecodeService(WorkerBase):
             await asyncio.sleep(0)  # let transport and NATS callbacks run between steps
 
     # -- ending -------------------------------------------------------------------------
-    async def _on_release(self, rel: m.Release, _msg: Msg) -> None:
-        dreq = self.requests.get(rel.request_id)
-        if dreq is not None and dreq.reservation_id == rel.reservation_id:
-            await self.end(dreq, peer_ending(rel.outcome, "released by peer: "))
+    async def _on_release(self, msg: m.ToDecode, _msg: Msg) -> None:
+        dreq = self.requests.get(msg.request_id)
+        if dreq is None or dreq.reservation_id != msg.reservation_id:
+            return
+        if isinstance(msg, m.PrefillProgress):
+            dreq.progress_at = time.monotonic()
+            return
+        await self.end(dreq, peer_ending(msg.outcome, "released by peer: "))
 
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
         dreq = self.requests.get(ab.request_id)

@@ -1,8 +1,12 @@
 """Prefill's queueing policy as a plain class: no I/O, no asyncio, unit-tested alone.
 
-FIFO, one prompt at a time: the service pops the next job when its engine is free. A job
-ended while queued (an abort) stays in the queue and is handed out like any other so that
-the service counts it; it is never run (`PrefillJob.lifecycle` is terminal).
+Chunk-level round robin. Dispatches wait first come first served; up to `max_active` of
+them are *started* (their lease is taken) and take turns one prefill chunk at a time, so a
+short prompt that arrives behind a long one gets its first token after one chunk of the
+long one, not after all of it (SGLang/vLLM chunked prefill mix chunks the same way). A
+job leaves the turns when its compute ends (its KV may still be in flight: it stays held
+in `jobs` until `done()`). A job ended while waiting (an abort) stays in the queue and is
+handed out like any other so that the service counts it; it is never run.
 """
 
 from __future__ import annotations
@@ -21,25 +25,62 @@ J = TypeVar("J", bound=Queued)
 
 
 class PrefillQueue(Generic[J]):
-    """Jobs waiting for the engine, first come first served; `jobs` maps request id to
-    every job the worker holds (queued or running) until `done()` is called for it."""
+    """Waiting jobs (FIFO), started jobs taking turns (round robin by chunk), and `jobs`:
+    every job the worker holds (waiting, started, or sending its KV) until `done()`."""
 
-    def __init__(self) -> None:
-        self._queue: collections.deque[J] = collections.deque()
+    def __init__(self, max_active: int = 4) -> None:
+        if max_active < 1:
+            raise ValueError(f"max_active must be at least 1, got {max_active}")
+        self.max_active = max_active
+        self._waiting: collections.deque[J] = collections.deque()
+        self._active: collections.deque[J] = collections.deque()
         self.jobs: dict[str, J] = {}
 
     def push(self, job: J) -> None:
         if job.request_id in self.jobs:
             raise ValueError(f"request {job.request_id} is already queued or running")
-        self._queue.append(job)
+        self._waiting.append(job)
         self.jobs[job.request_id] = job
 
+    def next_waiting(self) -> J | None:
+        """The job to start next (still waiting until `start` or `pop`), or None when
+        none waits or `max_active` jobs are started."""
+        if not self._waiting or len(self._active) >= self.max_active:
+            return None
+        return self._waiting[0]
+
     def pop(self) -> J | None:
-        """The next job to run, or None when none is waiting."""
-        return self._queue.popleft() if self._queue else None
+        """Take the next waiting job out of the line without starting it (to skip or fail
+        it); None when none waits."""
+        return self._waiting.popleft() if self._waiting else None
+
+    def start(self, job: J) -> None:
+        """The next waiting job got its lease: it takes turns from now on."""
+        if not self._waiting or self._waiting[0] is not job:
+            raise ValueError(f"request {job.request_id} is not next in line")
+        if len(self._active) >= self.max_active:
+            raise ValueError(f"{self.max_active} prefills are started already")
+        self._waiting.popleft()
+        self._active.appendleft(job)  # its first chunk comes next
+
+    def turn(self) -> J | None:
+        """The started job whose turn it is (one chunk), moved to the back; None if none."""
+        if not self._active:
+            return None
+        job = self._active[0]
+        self._active.rotate(-1)
+        return job
+
+    def stop(self, job: J) -> None:
+        """The job's compute ended (last chunk done, aborted or failed): no more turns."""
+        try:
+            self._active.remove(job)
+        except ValueError:
+            pass
 
     def done(self, job: J) -> None:
-        """The job left the worker (ran, failed or was skipped)."""
+        """The job left the worker (sent, failed or skipped)."""
+        self.stop(job)
         self.jobs.pop(job.request_id, None)
 
     def get(self, request_id: str) -> J | None:
@@ -47,11 +88,16 @@ class PrefillQueue(Generic[J]):
 
     @property
     def depth(self) -> int:
-        """Jobs waiting (not the one running)."""
-        return len(self._queue)
+        """Jobs waiting to start."""
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        """Jobs started and still computing."""
+        return len(self._active)
 
     def __len__(self) -> int:
         return len(self.jobs)
 
     def __iter__(self) -> Iterator[J]:
-        return iter(self._queue)
+        return iter(self._waiting)

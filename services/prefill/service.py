@@ -4,8 +4,18 @@ Per request: ADMITTED (dispatch received, ticket verified) -> PREFILLING (lease 
 worker's pool, prompt running) -> TRANSFERRED (decode acked the verified commit), or
 ABORTED / FAILED. Whenever prefill gives up on a request it tells decode at once with a
 `Release` so decode frees its lease within a second (I6): no cleanup path waits out a timeout.
-The queueing policy is `PrefillQueue` (FIFO, one prompt at a time); this worker's own lease
-is freed in `_run`'s finally.
+
+Long prompts (issue 16): the prompt runs one chunk (`prefill_windows`) per turn, and the
+started prompts take turns (`PrefillQueue`, chunk-level round robin), so a short prompt
+behind a long one is not held up by all of it. The KV streams as it is computed: the
+transfer starts when the lease is taken (an unreachable decode is found before any
+compute), each chunk's finished pages go out while the next chunk computes
+(`transports.PagesReady`), the commit (with the first token) last. Liveness is progress,
+not a deadline: after each chunk, and every `prefill_stall_s / 4` for every request it
+holds while its engine is not stuck, prefill sends a `PrefillProgress` to decode and the
+gateway; they give up on a request only when progress stops. An abort stops the compute
+at the next chunk boundary. Each request's lease is freed when both its compute and its
+send have ended (`PrefillJob.settled`), then decode and the client are told.
 
 Prefix cache (I7): the lease starts with the longest cached page-aligned prefix of the
 prompt *under the ticket's cache salt* (server-side, per tenant; clients cannot set it),
@@ -31,13 +41,14 @@ from pdmesh.services import faults, tickets
 from pdmesh.services import messages as m
 from pdmesh.services.capacity import prefill_refusal
 from pdmesh.services.config import ServiceConfig
+from pdmesh.services.engine.model import prefill_windows
 from pdmesh.services.engine.sampling import Sampler
 from pdmesh.services.errors import TicketError
 from pdmesh.services.lifecycle import Lifecycle, RequestState
 from pdmesh.services.prefill.scheduler import PrefillQueue
 from pdmesh.services.runtime import counter_total
 from pdmesh.services.worker import WorkerBase, run_worker
-from pdmesh.transports import KVTransport, Reason, TransferError, TransferPlan
+from pdmesh.transports import KVTransport, PagesReady, Reason, TransferError, TransferPlan
 from pdmesh.transports.framing import transfer_key
 
 # What prefill does with a dispatch before its own gate (production: take it as it came;
@@ -58,16 +69,35 @@ def transfer_plan(d: m.PrefillDispatch, first_token: int, deadline_s: float,
                         key=transfer_key(mesh_secret, r.reservation_id, r.epoch))
 
 
-def outgoing_pages(pool: KVPool, lease: Lease, num_tokens: int) -> list[memoryview]:
-    """The pages a prefill sends for a prompt of `num_tokens`: read-only views (cached pages
-    may be read, pinned, never written), with the unwritten tail of the last page zeroed
-    first, so that no byte of an earlier tenant's KV leaves this worker (the pool's default
-    scrub policy does not clear freed pages)."""
+def zero_tail(pool: KVPool, lease: Lease, num_tokens: int) -> None:
+    """Zero the unwritten tail of a prompt's last page before any of it is sent, so that no
+    byte of an earlier tenant's KV leaves this worker (the pool's default scrub policy does
+    not clear freed pages). The prefill never writes there, so it can be done first."""
     n_pages = pages_for(num_tokens, pool.spec.page_tokens)
     tail = num_tokens - (n_pages - 1) * pool.spec.page_tokens
     if tail < pool.spec.page_tokens:  # the last page is this lease's own, never a cached one
         pool.page_tensor(lease, n_pages - 1)[:, :, tail:].zero_()
-    return [pool.page_view(lease, i) for i in range(n_pages)]
+
+
+def outgoing_pages(pool: KVPool, lease: Lease, num_tokens: int) -> list[memoryview]:
+    """The pages a prefill sends for a prompt of `num_tokens`, tail zeroed: read-only views
+    (cached pages may be read, pinned, never written) held by the send from its start; the
+    transport reads a page only after `release_pages` let it (the pool's read check)."""
+    zero_tail(pool, lease, num_tokens)
+    return [pool.streaming_view(lease, i)
+            for i in range(pages_for(num_tokens, pool.spec.page_tokens))]
+
+
+def release_pages(pool: KVPool, lease: Lease, pages: PagesReady, num_tokens: int,
+                  first_token: int | None = None) -> None:
+    """Let the send read the pages holding the first `num_tokens` tokens: whole pages, or
+    every page with the first token when the prompt is done. The pool's read check (I2:
+    this lease wrote every one of those tokens in this epoch) comes first."""
+    pool.check_readable(lease, num_tokens)
+    if first_token is None:
+        pages.advance(num_tokens // pool.spec.page_tokens)
+    else:
+        pages.complete(first_token)
 
 
 def sampler_for(sampling: m.Sampling, max_tokens: int, eos_token_ids: Iterable[int]) -> Sampler:
@@ -76,11 +106,45 @@ def sampler_for(sampling: m.Sampling, max_tokens: int, eos_token_ids: Iterable[i
 
 log = logging.getLogger("pdmesh.prefill")
 
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                 60, 120, 300)
+# The plan of a streamed send is made before the first token is sampled; the commit takes
+# the token from `PagesReady.complete()` instead.
+STREAMED_FIRST_TOKEN = 0
+
+
+class TimedPages(PagesReady):
+    """The pages a streamed send waits for, timing how long the transport waited for the
+    compute: the rest of the send's time is the transfer itself."""
+
+    def __init__(self, total: int, ready: int = 0) -> None:
+        super().__init__(total, ready)
+        self.waited_s = 0.0
+
+    async def wait(self, n: int) -> None:
+        if n <= self.ready:
+            return await super().wait(n)
+        started = time.monotonic()
+        try:
+            await super().wait(n)
+        finally:
+            self.waited_s += time.monotonic() - started
+
 
 @dataclass(eq=False)
 class PrefillJob:
     dispatch: m.PrefillDispatch
     lifecycle: Lifecycle = field(init=False)
+    received_at: float = field(default_factory=time.monotonic)
+    lease: Lease | None = None
+    windows: list[tuple[int, int]] = field(default_factory=list)  # chunks left to compute
+    done_tokens: int = 0  # prompt tokens whose KV is computed (cached ones included)
+    pages: TimedPages | None = None
+    send_task: asyncio.Task[None] | None = None
+    started_at: float = 0.0  # first chunk started
+    computed_at: float = 0.0  # last chunk done
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # no chunk runs any more
+    failure: tuple[m.Outcome, str] | None = None  # what to tell decode and the client
 
     def __post_init__(self) -> None:
         self.lifecycle = Lifecycle(self.request_id, RequestState.ADMITTED)
@@ -88,6 +152,10 @@ class PrefillJob:
     @property
     def request_id(self) -> str:
         return self.dispatch.ticket.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.dispatch.prompt_ids)
 
 
 class PrefillService(WorkerBase):
@@ -97,9 +165,9 @@ class PrefillService(WorkerBase):
                  intake: DispatchIntake = faults.accept_dispatch) -> None:
         super().__init__(cfg, transport)
         self.intake = intake
-        self.queue: PrefillQueue[PrefillJob] = PrefillQueue()
+        self.queue: PrefillQueue[PrefillJob] = PrefillQueue(cfg.prefill_max_active)
         self._work = asyncio.Event()
-        self._freed = asyncio.Event()
+        self._compute_since = 0.0  # when the running chunk started (0: none running)
         r = self.rt.registry
         self.dispatches = Counter("pdmesh:prefill_dispatches_total", "Dispatches by outcome",
                                   ["outcome"], registry=r)
@@ -117,11 +185,22 @@ class PrefillService(WorkerBase):
                                   "Prompt tokens served from the prefix cache", registry=r)
         self.cache_evictions = Counter("pdmesh:prefix_cache_evictions_total",
                                        "Prefix-cache pages evicted", registry=r)
-        self.transfer_seconds = Histogram(
-            "pdmesh:kv_transfer_time_seconds", "KV send to decode's ack, per request",
-            ["model_name"], registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                                 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-        ).labels(cfg.served_model_names[0] if cfg.served_model_names else self.model.name)
+        model_name = cfg.served_model_names[0] if cfg.served_model_names else self.model.name
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"pdmesh:{name}", doc, ["model_name"], registry=r,
+                             buckets=PHASE_BUCKETS).labels(model_name)
+
+        self.queue_seconds = hist("prefill_queue_time_seconds",
+                                  "Dispatch received to its first chunk started")
+        self.compute_seconds = hist("prefill_compute_time_seconds",
+                                    "First chunk started to last chunk computed")
+        self.transfer_seconds = hist(
+            "kv_transfer_time_seconds", "KV transfer per request: the send's time to decode's "
+            "ack, less the time it waited for chunks to be computed")
+        self.exposed_seconds = hist(
+            "kv_transfer_exposed_time_seconds", "KV transfer left after the last chunk was "
+            "computed (what the transfer adds to the time to first token)")
         self.prefix_cache = PrefixCache(self.pool, align_tokens=self.engine.prefix_align_tokens,
                                         on_evict=self.cache_evictions.inc)
 
@@ -131,9 +210,12 @@ class PrefillService(WorkerBase):
                                 concurrent=False)
         await self.rt.subscribe(m.ABORT_SUBJECT, m.Abort, self._on_abort, concurrent=False)
         self.rt.spawn(self._loop(), "prefill-loop")
+        self.rt.every(self.cfg.prefill_stall_s / 4, self._keepalive, "prefill-keepalive")
 
     def queue_depth(self) -> int:
-        return self.queue.depth
+        """Prompts with compute ahead of a new one (waiting or taking turns): admission's
+        prefill cost counts them."""
+        return self.queue.depth + self.queue.active
 
     def active_requests(self) -> int:
         return len(self.queue)
@@ -176,8 +258,10 @@ class PrefillService(WorkerBase):
         if self.queue.get(rid) is not None:
             log.warning("duplicate dispatch for %s ignored", rid)
             return
-        self.queue.push(PrefillJob(d))
+        job = PrefillJob(d)
+        self.queue.push(job)
         self.dispatches.labels("queued").inc()
+        await self._progress(job)  # decode and the gateway: it is held here
         self._work.set()
 
     def _recheck(self, d: m.PrefillDispatch) -> str:
@@ -212,83 +296,229 @@ class PrefillService(WorkerBase):
 
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
         job = self.queue.get(ab.request_id)
-        if job is not None:
-            # The loop skips it (queued) or stops it at its next await (running).
-            job.lifecycle.finish(ab.outcome)
+        if job is not None and job.lifecycle.finish(ab.outcome):
+            # Waiting: skipped. Computing: stops at its next chunk boundary. A send waiting
+            # for pages ends now (decode heard the abort too and fences its lease).
+            if job.pages is not None:
+                job.pages.fail(RuntimeError("aborted"))
+            self._work.set()
+
+    # -- liveness -----------------------------------------------------------------------
+    async def _progress(self, job: PrefillJob) -> None:
+        """Tell decode (which holds the reservation) and the gateway (which waits for the
+        first token) that this request is held here and moving. Best effort: a lost one is
+        covered by the next."""
+        d = job.dispatch
+        msg = m.PrefillProgress(request_id=job.request_id,
+                                reservation_id=d.reservation.reservation_id,
+                                done_tokens=job.done_tokens, total_tokens=job.prompt_len)
+        try:
+            await self.rt.publish(m.release_subject(d.ticket.decode_worker), msg)
+            await self.rt.publish(m.tokens_subject(job.request_id), msg)
+        except (nats.errors.Error, OSError) as exc:
+            log.warning("progress of %s not sent: %s", job.request_id, exc)
+
+    def engine_stalled(self) -> bool:
+        """A chunk has been running for longer than the stall limit: vouch for nothing."""
+        since = self._compute_since
+        return bool(since) and time.monotonic() - since > self.cfg.prefill_stall_s
+
+    async def _keepalive(self) -> None:
+        """Progress for every request held here (waiting, computing, or sending), unless
+        the engine is stuck: then decode and the gateway give up on them in time."""
+        if self.engine_stalled():
+            log.warning("a prefill chunk has run for over %gs: no progress reported",
+                        self.cfg.prefill_stall_s)
+            return
+        for job in list(self.queue.jobs.values()):
+            if not job.lifecycle.is_terminal:
+                await self._progress(job)
 
     # -- work ---------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            job = self.queue.pop()
+            await self._start_waiting()
+            job = self.queue.turn()
             if job is None:
                 self._work.clear()
                 await self._work.wait()
                 continue
             try:
-                await self._run(job)
-            finally:
-                self.queue.done(job)
+                await self._step(job)
+            except Exception as exc:  # a bug must cost this request, not the worker
+                log.exception("prefill of %s failed", job.request_id)
+                self._fail_job(job, m.Code.INTERNAL, f"prefill failed: {exc}", "error")
+                self._stop_compute(job)
 
-    async def _run(self, job: PrefillJob) -> None:
-        d, life = job.dispatch, job.lifecycle
-        if life.is_terminal:  # aborted while queued: decode heard the abort too
-            self.dispatches.labels("aborted").inc()
+    async def _start_waiting(self) -> None:
+        """Start waiting jobs while fewer than `prefill_max_active` compute and the pool
+        has their pages; a job that cannot get pages waits for a running one to free
+        some, and fails at once when none runs (nothing would ever free them)."""
+        while (job := self.queue.next_waiting()) is not None:
+            if job.lifecycle.is_terminal:  # aborted while waiting: decode heard it too
+                self.queue.pop()
+                self.queue.done(job)
+                self.dispatches.labels("aborted").inc()
+                continue
+            d = job.dispatch
+            try:
+                lease = self.prefix_cache.allocate(job.request_id, d.ticket.cache_salt,
+                                                   d.prompt_ids)
+            except PoolExhaustedError as exc:
+                if self.queue.active or self._sending():
+                    return  # a running or sending prefill frees pages: retried then
+                self.queue.pop()
+                self.queue.done(job)
+                failure = self._fail(job.lifecycle, m.Code.PREFILL_REJECTED, str(exc),
+                                     "pool_full")
+                if failure is not None:
+                    await self._give_up(d, *failure)
+                continue
+            self.queue.start(job)
+            try:
+                self._begin(job, lease)
+            except Exception as exc:  # a bug must cost this request, not the worker
+                log.exception("starting the prefill of %s failed", job.request_id)
+                self.pool.release(lease, "internal")
+                self.queue.done(job)
+                failure = self._fail(job.lifecycle, m.Code.INTERNAL,
+                                     f"prefill failed: {exc}", "error")
+                if failure is not None:
+                    await self._give_up(d, *failure)
+
+    def _sending(self) -> bool:
+        return any(j.send_task is not None and not j.send_task.done()
+                   for j in self.queue.jobs.values())
+
+    def _begin(self, job: PrefillJob, lease: Lease) -> None:
+        """The job has its lease: start its transfer (pages stream as chunks finish)."""
+        job.lease = lease
+        cached = lease.cached_tokens
+        self.cache_queries.inc()
+        self.cache_hits.inc(cached)
+        job.lifecycle.advance(RequestState.PREFILLING)
+        self.bootstraps.inc()
+        job.done_tokens = cached
+        job.windows = prefill_windows(cached, job.prompt_len - cached)
+        buffers = outgoing_pages(self.pool, lease, job.prompt_len)
+        job.pages = TimedPages(len(buffers), cached // self.pool.spec.page_tokens)
+        job.send_task = self.rt.spawn(self._transfer(job, buffers), f"send:{job.request_id}")
+
+    async def _step(self, job: PrefillJob) -> None:
+        """One chunk of the job; after the last, sample the first token and let the commit
+        go."""
+        life, lease = job.lifecycle, job.lease
+        assert lease is not None and job.pages is not None
+        if life.is_terminal or not job.windows:
+            self._stop_compute(job)
             return
-        lease = None
-        failure: tuple[m.Outcome, str] | None = None
-        unreachable = ""  # why decode's data address could not be reached, if it could not
+        start, length = job.windows.pop(0)
+        d = job.dispatch
+        if not job.started_at:
+            job.started_at = time.monotonic()
+            self.queue_seconds.observe(job.started_at - job.received_at)
+        piece = d.prompt_ids[start:start + length]
+        self._compute_since = time.monotonic()
         try:
-            lease = await self._allocate(job)
-            cached = lease.cached_tokens
-            self.cache_queries.inc()
-            self.cache_hits.inc(cached)
-            life.advance(RequestState.PREFILLING)
-            self.bootstraps.inc()
-            logits = await self.compute(self.engine.prefill, lease, d.prompt_ids[cached:],
-                                        cached)
-            self.prompt_tokens.inc(len(d.prompt_ids) - cached)
-            if life.is_terminal:
-                return
-            self.prefix_cache.insert(d.ticket.cache_salt, d.prompt_ids, lease)
-            sampler = sampler_for(d.sampling, d.ticket.max_tokens,
-                                  self.model.tokenizer.eos_token_ids)
-            first = sampler.sample(logits)
-            if d.sampling.logprobs is not None:  # flushed with the cache info below
-                await self.rt.publish(m.tokens_subject(job.request_id), m.FirstTokenLogprobs(
-                    request_id=job.request_id, token_id=first,
-                    logprobs=sampler.take_logprobs(first)))
-            await self._report_cached(d, cached)
-            plan = transfer_plan(d, first, self.cfg.transfer_deadline_s, self.cfg.mesh_secret)
-            # Read-only views: cached pages may be read (pinned) but never written.
-            buffers = outgoing_pages(self.pool, lease, plan.num_tokens)
-            sent_at = time.monotonic()
-            ack = await self.transport.send(d.reservation.data_address, plan, buffers)
-            self.transfer_seconds.observe(time.monotonic() - sent_at)
-            self.kv_bytes.labels("out").inc(ack.bytes)
-            self.transfers.labels("ok").inc()
-            if not life.is_terminal:  # an abort during the send already ended it
-                life.advance(RequestState.TRANSFERRED)
-        except TransferError as exc:
-            self.transfers.labels(exc.reason.name.lower()).inc()
-            failure = self._fail(life, m.Code.TRANSFER_FAILED, f"KV transfer failed: {exc}",
-                                 "transfer_failed")
-            if exc.reason is Reason.PEER_LOST and exc.detail.startswith("connect "):
-                unreachable = exc.detail  # the transports' connect failure
-        except PoolExhaustedError as exc:
-            failure = self._fail(life, m.Code.PREFILL_REJECTED, str(exc), "pool_full")
+            logits = await self.compute(self.engine.prefill, lease, piece, start)
         except Exception as exc:
             log.exception("prefill of %s failed", job.request_id)
-            failure = self._fail(life, m.Code.INTERNAL, f"prefill failed: {exc}", "error")
+            self._fail_job(job, m.Code.INTERNAL, f"prefill failed: {exc}", "error")
+            self._stop_compute(job)
+            return
         finally:
+            self._compute_since = 0.0
+        self.prompt_tokens.inc(length)
+        job.done_tokens = start + length
+        if life.is_terminal:
+            self._stop_compute(job)
+            return
+        if job.windows:
+            release_pages(self.pool, lease, job.pages, job.done_tokens)
+            await self._progress(job)
+            return
+        self.prefix_cache.insert(d.ticket.cache_salt, d.prompt_ids, lease)
+        sampler = sampler_for(d.sampling, d.ticket.max_tokens,
+                              self.model.tokenizer.eos_token_ids)
+        first = sampler.sample(logits)
+        if d.sampling.logprobs is not None:  # flushed with the cache info below
+            await self.rt.publish(m.tokens_subject(job.request_id), m.FirstTokenLogprobs(
+                request_id=job.request_id, token_id=first,
+                logprobs=sampler.take_logprobs(first)))
+        await self._report_cached(d, lease.cached_tokens)
+        # The prefill ends here (first token sampled, the gateway told): what the transfer
+        # takes from now on is what it adds to the time to first token.
+        job.computed_at = time.monotonic()
+        self.compute_seconds.observe(job.computed_at - job.started_at)
+        release_pages(self.pool, lease, job.pages, job.prompt_len, first)
+        self._stop_compute(job)
+
+    def _stop_compute(self, job: PrefillJob) -> None:
+        """No chunk of this job runs any more: out of the turns; a send still waiting for
+        pages is told (unless the last chunk completed them)."""
+        self.queue.stop(job)
+        if job.pages is not None and job.pages.ready < job.pages.total:
+            job.pages.fail(RuntimeError("prefill stopped before its last chunk"))
+        job.settled.set()
+
+    def _fail_job(self, job: PrefillJob, code: m.Code, detail: str, label: str) -> None:
+        job.failure = job.failure or self._fail(job.lifecycle, code, detail, label)
+
+    async def _transfer(self, job: PrefillJob, buffers: list[memoryview]) -> None:
+        """Send the job's pages as they are computed, then settle: free the lease once the
+        compute is over too, then tell decode and the client how it ended."""
+        d, life = job.dispatch, job.lifecycle
+        assert job.pages is not None and job.lease is not None
+        unreachable = ""  # why decode's data address could not be reached, if it could not
+        plan = transfer_plan(d, STREAMED_FIRST_TOKEN, self.cfg.transfer_deadline_s,
+                             self.cfg.mesh_secret)
+        sent_at = time.monotonic()
+        try:
+            ack = await self.transport.send(d.reservation.data_address, plan, buffers,
+                                            ready=job.pages)
+            acked_at = time.monotonic()
+            self.kv_bytes.labels("out").inc(ack.bytes)
+            self.transfers.labels("ok").inc()
+            busy = max(acked_at - sent_at - job.pages.waited_s, 0.0)
+            exposed = max(acked_at - job.computed_at, 0.0)
+            self.transfer_seconds.observe(busy)
+            self.exposed_seconds.observe(exposed)
+            if not life.is_terminal:  # an abort during the send already ended it
+                life.advance(RequestState.TRANSFERRED)
+                await self._publish_timing(job, busy, exposed)
+        except TransferError as exc:
+            self.transfers.labels(exc.reason.name.lower()).inc()
+            self._fail_job(job, m.Code.TRANSFER_FAILED, f"KV transfer failed: {exc}",
+                           "transfer_failed")
+            if exc.reason is Reason.PEER_LOST and exc.detail.startswith("connect "):
+                unreachable = exc.detail  # the transports' connect failure
+        except Exception as exc:
+            log.exception("KV send of %s failed", job.request_id)
+            self._fail_job(job, m.Code.INTERNAL, f"KV send failed: {exc}", "error")
+        finally:
+            # The engine may be writing the lease: wait for the chunk to end (the loop
+            # stops the job at its next turn, the job being ended or its send over).
+            self._work.set()
+            await job.settled.wait()
             # Release before telling: this worker's pages are back before anyone hears.
-            if lease is not None:
-                self.pool.release(lease, life.outcome.label if life.outcome
-                                  else life.state.name.lower())
-                self._freed.set()
-        if failure is not None:
-            await self._give_up(d, *failure)
+            self.pool.release(job.lease, life.outcome.label if life.outcome
+                              else life.state.name.lower())
+            self.queue.done(job)
+            self._work.set()
+        if job.failure is not None:
+            await self._give_up(d, *job.failure)
         if unreachable:
             await self._report_unreachable(d, unreachable)
+
+    async def _publish_timing(self, job: PrefillJob, transfer_s: float,
+                              exposed_s: float) -> None:
+        try:
+            await self.rt.publish(m.tokens_subject(job.request_id), m.PhaseTiming(
+                request_id=job.request_id, queue_s=job.started_at - job.received_at,
+                prefill_s=job.computed_at - job.started_at, transfer_s=transfer_s,
+                exposed_transfer_s=exposed_s))
+        except (nats.errors.Error, OSError) as exc:
+            log.warning("phase timing of %s not sent: %s", job.request_id, exc)
 
     async def _report_unreachable(self, d: m.PrefillDispatch, detail: str) -> None:
         """Tell admission that decode's advertised data address cannot be reached from here,
@@ -321,25 +551,6 @@ class PrefillService(WorkerBase):
             await self.rt.nc.flush(timeout=1)
         except (nats.errors.Error, TimeoutError) as exc:  # only the usage figure is at stake
             log.warning("flushing the cache info event of %s failed: %s", rid, exc)
-
-    async def _allocate(self, job: PrefillJob) -> Lease:
-        """Lease pages for the prompt, reusing this tenant's cached prefix (evicting other
-        unpinned cached pages when short), waiting (bounded) while other prompts hold them."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.transfer_deadline_s
-        while True:
-            try:
-                d = job.dispatch
-                return self.prefix_cache.allocate(job.request_id, d.ticket.cache_salt,
-                                                  d.prompt_ids)
-            except PoolExhaustedError:
-                if loop.time() >= deadline or job.lifecycle.is_terminal:
-                    raise
-                self._freed.clear()
-                try:
-                    await asyncio.wait_for(self._freed.wait(), deadline - loop.time())
-                except TimeoutError:
-                    pass
 
 
 async def serve(cfg: ServiceConfig) -> None:

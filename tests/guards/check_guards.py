@@ -272,6 +272,57 @@ MUTATIONS = [
              "services/colocated/service.py",
              "        if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:",
              "        if False:", ("tests/unit/test_colocated_gate.py",)),
+    Mutation("progress-liveness", "decode frees a reservation whose prefill stopped progressing",
+             "services/decode/service.py",
+             "            elif now - dreq.progress_at > self.cfg.prefill_stall_s:",
+             "            elif False:",
+             ("tests/unit/test_progress_liveness.py::"
+              "test_a_reservation_without_progress_is_freed_after_the_stall_limit",)),
+    Mutation("stream-read-check", "a streamed send reads a page only after the pool's read check",
+             "services/prefill/service.py",
+             "    pool.check_readable(lease, num_tokens)\n    if first_token is None:",
+             "    if first_token is None:",
+             ("tests/unit/test_prefill_tail.py::"
+              "test_a_streamed_send_gets_no_page_before_the_pool_says_it_is_written",)),
+    Mutation("abort-stops-prefill", "an abort stops the prefill at the next chunk boundary",
+             "services/prefill/service.py",
+             "        if life.is_terminal or not job.windows:",
+             "        if not job.windows:",
+             ("tests/mesh/test_long_prompts.py::"
+              "test_an_abort_mid_prefill_stops_it_within_a_chunk_and_frees_the_leases",),
+             # The same check after each chunk's compute: removed with it.
+             more=(("services/prefill/service.py",
+                    "        if life.is_terminal:\n            self._stop_compute(job)\n"
+                    "            return\n        if job.windows:",
+                    "        if job.windows:"),)),
+    Mutation("stream-pause", "a streamed transfer's link waits across a PAUSE only while "
+             "its slot is live (elsewhere the progress timeout holds)",
+             "transports/core.py",
+             "                paused = bool(h.flags & PAUSE)",
+             "                paused = False",
+             ("tests/transports/test_streaming.py::"
+              "test_pages_released_in_steps_arrive_and_commit_verified",
+              "tests/transports/test_streaming.py::"
+              "test_fence_between_chunks_stops_the_sender_and_nothing_lands_after",
+              "tests/transports/test_streaming.py::"
+              "test_receiver_deadline_ends_a_paused_transfer_and_tells_the_sender"),
+             more=(("transports/core.py", "        paused = bool(run[-1].flags & PAUSE)",
+                    "        paused = False"),)),
+    Mutation("nixl-staging-copy", "nixl: a page is copied out of staging only while its "
+             "transfer is live (a late one-sided write never reaches a page)",
+             "transports/nixl.py",
+             "        if slot.live:\n            view[:] = region.array[start:start + "
+             "t.page_bytes]",
+             "        if True:\n            view[:] = region.array[start:start + t.page_bytes]",
+             ("tests/transports/test_fence_race.py::"
+              "test_late_payload_never_lands_in_the_next_lease",)),
+    Mutation("nixl-staging-retire", "nixl: a staging region is lent again only after its "
+             "sender's release (its writes have ended)",
+             "transports/nixl.py",
+             "        if region.released:\n            self._free.append(region)",
+             "        if True:\n            self._free.append(region)",
+             ("tests/transports/test_nixl.py::"
+              "test_a_region_is_lent_again_only_after_its_senders_release",)),
 ]
 
 

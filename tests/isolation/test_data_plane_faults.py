@@ -34,7 +34,7 @@ def test_faulty_transfer_fails_only_that_request(mesh: Mesh, fault: str) -> None
     elapsed = time.monotonic() - t0
     assert status == 502, (fault, body)
     assert body["error"]["code"] == "transfer_failed", body
-    # Failed on evidence, not on a timeout (the mesh's transfer deadline is 5 s).
+    # Failed on evidence, not on a timeout (the mesh's stall limit is 5 s).
     assert elapsed < 3.0, (fault, elapsed)
     # Decode never generated a token from the unverified KV (it never attended over it).
     assert counter(worker_stats(mesh.nats_url), m.Role.DECODE, "generated_tokens") == before

@@ -1,7 +1,7 @@
 """`pdmesh check` against the real mesh, and `pdmesh bench admission` end to end.
 
 The shared `live_mesh` runs `pdmesh up --model tiny --kv-tokens 4096`; the tiny model is
-configured for 16384 tokens, so every worker clamps to its 4096-token pool (I5) and
+configured for 65536 tokens, so every worker clamps to its 4096-token pool (I5) and
 `pdmesh check` must say so and exit 1. No speed assertions here: targets live in the bench.
 """
 
@@ -38,7 +38,7 @@ def test_check_shows_the_clamp_on_the_live_mesh(live_mesh: Mesh) -> None:
     assert report["counts"]["prefill"] >= 1 and report["counts"]["decode"] >= 1
     for w in report["workers"]:
         assert w["model"] == "tiny"
-        assert w["configured_context"] == 16384 > w["pool_capacity_tokens"]
+        assert w["configured_context"] == 65536 > w["pool_capacity_tokens"]
         assert w["pool_capacity_tokens"] == LIVE_MESH_KV_TOKENS
         assert w["served_context"] == LIVE_MESH_KV_TOKENS
         assert w["capacity_mismatch"] is True and w["flagged_by_worker"] is True

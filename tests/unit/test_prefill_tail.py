@@ -5,6 +5,7 @@ previous tenant's KV)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from pdmesh.kvstore import KVPool, PoolSpec, ScrubPolicy
@@ -49,3 +50,32 @@ def test_a_page_aligned_prompt_sends_its_pages_untouched() -> None:
     pages = outgoing_pages(pool, b, 8)
     assert all(np.all(np.frombuffer(p, dtype=np.float32) == 3.0) for p in pages)
     pool.release(b, "stop")
+
+
+def test_a_streamed_send_gets_no_page_before_the_pool_says_it_is_written() -> None:
+    # Streamed KV (issue 16): the send holds views of every page from its start; prefill
+    # lets it read a page only after the pool's read check for that page's tokens (I2).
+    from pdmesh.kvstore import LeaseAccessError
+    from pdmesh.services.prefill.service import release_pages
+    from pdmesh.transports import PagesReady
+
+    spec = PoolSpec(num_layers=1, num_kv_heads=1, head_dim=2, page_tokens=4, num_pages=4)
+    pool = KVPool(spec, scrub=ScrubPolicy.NONE)
+    lease = pool.allocate("b", 14)
+    views = outgoing_pages(pool, lease, 14)  # before any token is written
+    assert len(views) == 4 and all(v.readonly for v in views)
+    pages = PagesReady(len(views))
+    with pytest.raises(LeaseAccessError):
+        release_pages(pool, lease, pages, 8)  # nothing written yet
+    assert pages.ready == 0
+    pool.mark_written_range(lease, 0, 9)
+    release_pages(pool, lease, pages, 9)
+    assert pages.ready == 2  # whole pages only: the third is still being written
+    with pytest.raises(LeaseAccessError):
+        release_pages(pool, lease, pages, 14, first_token=7)
+    assert pages.ready == 2 and pages.first_token is None
+    pool.mark_written_range(lease, 9, 5)
+    release_pages(pool, lease, pages, 14, first_token=7)
+    assert pages.ready == 4 and pages.first_token == 7
+    pool.release(lease, "stop")
+    pool.check_integrity()

@@ -128,8 +128,10 @@ async def test_prefill_refuses_a_swapped_dispatch_before_computing(
         return m.PrefillDispatch(ticket=t, prompt_ids=prompt, sampling=m.Sampling(),
                                  reservation=r, grant=grant(DEV_MESH_SECRET, t, prompt, r))
     try:
-        await svc.accept(make())  # the genuine one is queued
-        assert len(svc.queue) == 1 and not sent
+        await svc.accept(make())  # the genuine one is queued: decode and client hear so
+        assert len(svc.queue) == 1
+        assert [type(msg) for _, msg in sent] == [m.PrefillProgress, m.PrefillProgress]
+        sent.clear()
         d = make()
         if swap == "prompt":
             forged = msgspec.structs.replace(d, prompt_ids=[5, 6, 7, 8, 10])
