@@ -20,7 +20,13 @@ from typing import Any
 from aiohttp import web
 
 from pdmesh.gateway.generation import STREAM_STARTED, Generation, json_response
-from pdmesh.gateway.mesh import MeshClient, MeshRejected, MeshUnavailable, Submission
+from pdmesh.gateway.mesh import (
+    MeshClient,
+    MeshRejected,
+    MeshTooLarge,
+    MeshUnavailable,
+    Submission,
+)
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.schema import (
     ApiError,
@@ -69,9 +75,10 @@ class Gateway:
         self.submit_headers = faults.gateway_headers(cfg)
         self.bypass_checks = faults.gateway_bypass(cfg)
         # Admission may queue a request up to queue_timeout_s before answering.
-        self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.queue_timeout_s
-                               + cfg.reserve_timeout_s + 3.0)
         self.metrics = GatewayMetrics(self.rt.registry, self.model_name)
+        self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.queue_timeout_s
+                               + cfg.reserve_timeout_s + 3.0,
+                               on_phase_timing=self.metrics.observe_phases)
         self.version = _version()
 
     # -- wiring -------------------------------------------------------------------------
@@ -315,6 +322,11 @@ class Gateway:
                            param="messages" if chat else "prompt",
                            type_="invalid_request_error" if status == 400 else
                            "server_error") from None
+        except MeshTooLarge as exc:
+            log.warning("gateway: %s: %s", exc.request_id, exc)
+            outcome = m.Outcome(code=m.Code.INVALID, detail=str(exc))
+            raise ApiError(413, str(exc), code="request_too_large",
+                           param="messages" if chat else "prompt") from None
         except MeshUnavailable as exc:
             outcome = m.Outcome(code=m.Code.NO_WORKERS, detail=str(exc))
             raise ApiError(503, f"the mesh is not answering: {exc}", type_="server_error",

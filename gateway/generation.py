@@ -31,7 +31,10 @@ from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.config import ServiceConfig
 from pdmesh.services.engine.tokenizer import Tokenizer
 
-STREAM_STARTED = "pdmesh.stream_started"  # request key: SSE headers already sent
+# Request key: the SSE headers are out. aiohttp >= 3.14 has typed request keys and warns on
+# plain strings; older releases (pyproject allows >= 3.9) have neither.
+STREAM_STARTED: Any = (web.RequestKey("pdmesh.stream_started", bool)
+                       if hasattr(web, "RequestKey") else "pdmesh.stream_started")
 TokenLogprobs = tuple[float, list[tuple[int, float]]]  # one TokenEvent.logprobs entry
 _encode = msgspec.json.Encoder().encode
 
@@ -127,10 +130,13 @@ class Generation:
         try:
             await asyncio.gather(*tasks)
         except MeshFailed as exc:
-            return await self._fail(502, f"generation failed: {exc}", exc.outcome)
-        except TimeoutError as exc:
+            # A worker's own liveness limit (decode: no progress from prefill) is the same
+            # answer as the gateway's: 504 `deadline`; any other failure is a 502.
+            status = 504 if exc.code == m.Code.DEADLINE else 502
+            return await self._fail(status, f"generation failed: {exc}", exc.outcome)
+        except TimeoutError as exc:  # RequestStalled: the gateway's own liveness limit
             return await self._fail(504, str(exc), m.Outcome(code=m.Code.DEADLINE,
-                                                             detail=str(exc)), "timeout")
+                                                             detail=str(exc)))
         except (ClientGone, ConnectionResetError):
             self.outcome = m.Outcome(code=m.Code.ABORTED, detail="client gone")
             return self.outcome
@@ -154,9 +160,11 @@ class Generation:
         """Read one choice's token events to its end, streaming chunks as they come."""
         gw = self.gw
         min_tokens = self.body.min_tokens
-        async for ev in gw.mesh.tokens(c.sub, gw.cfg.request_timeout_s, self._alive,
-                                       self._dead_worker):
+        async for ev in gw.mesh.tokens(c.sub, gw.cfg.prefill_stall_s, gw.cfg.request_timeout_s,
+                                       self._alive, self._dead_worker):
             now = time.monotonic()
+            if ev.decode_first_token_s is not None:
+                gw.metrics.observe_decode_first_token(ev.decode_first_token_s)
             if c.first_at is None:
                 c.first_at = now
                 if c.index == 0:

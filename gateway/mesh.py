@@ -1,9 +1,13 @@
 """The gateway's side of the mesh: submit to admission, then read the request's token stream.
 
 The token subscription is made *before* the submit so no early token can be missed, and it
-is removed in `finally` on every path (the per-request registry never outlives the request).
-Leaving the `stream()` context early (client gone, stop string, deadline) publishes an
-`Abort`, so every worker frees what it holds for the request (a tested path, not a timeout).
+is removed on every path (the per-request registry never outlives the request; a finished
+request's subscription stays up to PHASE_LINGER_S in an owned task, for prefill's
+`PhaseTiming`, which may trail the last token). Leaving the `submit()` context early
+(client gone, stop string, no progress) publishes an `Abort`, so every worker frees what it
+holds for the request (a tested path, not a timeout). Liveness is progress: see `tokens()`.
+A submit that would not fit the NATS server's max payload is refused before anything is
+sent (`MeshTooLarge`).
 """
 
 from __future__ import annotations
@@ -181,7 +185,7 @@ class MeshClient:
         Liveness is progress, not a fixed end-to-end deadline (a long prompt with a long
         generation runs as long as it moves): until the first token, the request ends when
         the mesh sent nothing for it (prefill's `PrefillProgress` comes at least every
-        heartbeat) for `stall_s`; after it, when no event came for `idle_s` (0: never).
+        heartbeat) for `stall_s`; after it, when no event came for `idle_s`.
         Raises RequestStalled (either), MeshFailed (a worker failed, or one serving this
         request stopped heartbeating: `dead_worker`) or ClientGone (`alive` turned false).
         Both are checked every `POLL_S` whether or not tokens are flowing: a client that
@@ -196,7 +200,8 @@ class MeshClient:
         while True:
             now = loop.time()
             limit_s = idle_s if sub.got_first_token else stall_s
-            if limit_s > 0 and now - last_event >= limit_s:
+            # Only with nothing queued: a slow loop must not blame the mesh for its delay.
+            if now - last_event >= limit_s and sub.events.empty():
                 raise RequestStalled(sub, now - last_event)
             if now >= next_check:
                 next_check = now + POLL_S

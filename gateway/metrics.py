@@ -9,6 +9,26 @@ gateway sees every request from arrival to last token, so it measures them for t
 - prefill time: admitted to the first token (prefill compute and the KV transfer);
 - decode time: first token to the last.
 
+Where the time to first token goes, as the workers measured it (prefill's `PhaseTiming`,
+sent once decode acked the KV, and decode's `TokenEvent.decode_first_token_s`):
+
+- `pdmesh:request_prefill_queue_time_seconds`: dispatch received by prefill -> its first
+  chunk started (waiting behind other prompts);
+- `pdmesh:request_prefill_compute_time_seconds`: first chunk started -> last chunk computed;
+- `pdmesh:request_kv_transfer_time_seconds`: the KV send's time to decode's ack, less the
+  time it waited for chunks to be computed;
+- `pdmesh:request_kv_transfer_exposed_time_seconds`: the part of the transfer after the
+  last chunk was computed (what it adds to the TTFT when pages stream per chunk);
+- `pdmesh:request_decode_first_token_time_seconds`: decode's verified commit -> first token
+  published.
+
+(Prefill exports the same figures per worker as `pdmesh:prefill_queue_time_seconds`, ...,
+`pdmesh:kv_transfer_time_seconds`; the gateway's `request_` series see every request of
+the mesh in one place, next to its TTFT.)
+
+Together with `request_queue_time_seconds` (admission) they make the TTFT breakdown that
+`pdmesh loadtest` prints (sums and counts scraped before and after a run).
+
 `requests_total` / `e2e_request_latency_seconds` also carry `tenant` and the mesh's one
 reason vocabulary (services/messages.py `Code`): `outcome` is the terminal state
 (`finished`, `rejected`, `aborted`, `failed`) and `reason` the code's label, e.g. `stop`,
@@ -19,11 +39,16 @@ reason vocabulary (services/messages.py `Code`): `outcome` is the terminal state
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdmesh.services import messages as m
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Phases of a long prompt's TTFT run from milliseconds to minutes on a CPU.
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                 60, 120, 300, 600)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 # vLLM's finished_reason values: a finish is stop/length; anything else that ended an
@@ -51,6 +76,21 @@ class GatewayMetrics:
         self.prefill_time = hist("request_prefill_time_seconds",
                                  "Admitted to first token (prefill and KV transfer)")
         self.decode_time = hist("request_decode_time_seconds", "First token to last token")
+        self.prefill_queue = hist("request_prefill_queue_time_seconds",
+                                  "Prefill: dispatch received to first chunk started",
+                                  buckets=PHASE_BUCKETS)
+        self.prefill_compute = hist("request_prefill_compute_time_seconds",
+                                    "Prefill: first chunk started to last chunk computed",
+                                    buckets=PHASE_BUCKETS)
+        self.kv_transfer = hist("request_kv_transfer_time_seconds",
+                                "KV transfer: first page sent to decode's ack",
+                                buckets=PHASE_BUCKETS)
+        self.kv_transfer_exposed = hist("request_kv_transfer_exposed_time_seconds",
+                                        "KV transfer left after the last chunk was computed",
+                                        buckets=PHASE_BUCKETS)
+        self.decode_first_token = hist("request_decode_first_token_time_seconds",
+                                       "Decode: verified commit to first token published",
+                                       buckets=PHASE_BUCKETS)
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per finished request",
                                buckets=TOKEN_BUCKETS)
         self.generation_len = hist("request_generation_tokens",
@@ -86,6 +126,19 @@ class GatewayMetrics:
             reason = _FINISHED_REASON.get(outcome.code, "abort")
             self.success.labels(self.model_name, reason).inc()
 
+    def observe_phases(self, timing: m.PhaseTiming) -> None:
+        """One request's prefill-side phases (prefill's PhaseTiming)."""
+        name = self.model_name
+        for hist, seconds in ((self.prefill_queue, timing.queue_s),
+                              (self.prefill_compute, timing.prefill_s),
+                              (self.kv_transfer, timing.transfer_s),
+                              (self.kv_transfer_exposed, timing.exposed_transfer_s)):
+            _observe(hist.labels(name), seconds)
+
+    def observe_decode_first_token(self, seconds: float) -> None:
+        """Decode's commit -> first token of one request (TokenEvent seq 0)."""
+        _observe(self.decode_first_token.labels(self.model_name), seconds)
+
     def tokens_done(self, tenant_id: str, prompt_tokens: int, generated: int) -> None:
         name = self.model_name
         self.tokens.labels(name, tenant_id, "prompt").inc(prompt_tokens)
@@ -94,3 +147,9 @@ class GatewayMetrics:
         self.generation_tokens.labels(name).inc(generated)
         self.prompt_len.labels(name).observe(prompt_tokens)
         self.generation_len.labels(name).observe(generated)
+
+
+def _observe(hist: Histogram, seconds: float) -> None:
+    """A worker's figure is input: only a finite, non-negative one is observed."""
+    if math.isfinite(seconds) and seconds >= 0:
+        hist.observe(seconds)

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from pdmesh.loadtest import phases
+
 # The results schema: `vllm bench serve` names (its tooling reads the file) + pdmesh extras.
 VLLM_RESULT_KEYS = (
     "date", "backend", "model_id", "num_prompts", "request_rate", "burstiness",
@@ -33,7 +35,7 @@ PDMESH_RESULT_KEYS = (
     "statuses", "errors_by_kind", "rejection_codes", "expected_rejections",
     "correct_rejections", "missed_rejections", "misreported_rejections",
     "unexpected_rejections", "throttled_requests", "goodput_slos_ms", "ttft_ms_by_input_len",
-    "per_tenant",
+    "per_tenant", "ttft_breakdown",
 )
 INTEGRITY_RESULT_KEYS = ("integrity_checked", "integrity_mismatches", "integrity_unchecked",
                          "integrity_reference_failures")
@@ -161,6 +163,8 @@ def format_summary(result: Mapping) -> str:
             if stat != "std":
                 label = stat.upper() if stat.startswith("p") else stat.capitalize()
                 rows.append((f"{label} {name} (ms)", result[f"{stat}_{metric}_ms"]))
+    if result.get("ttft_breakdown"):
+        rows += phases.format_breakdown(result["ttft_breakdown"])
     rows += [
         ("Expected rejections", result["expected_rejections"]),
         ("Correct rejections (400)", result["correct_rejections"]),

@@ -12,12 +12,20 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from pdmesh.loadtest import integrity
-from pdmesh.loadtest.client import ClientConfig, RequestResult, model_info, send_request
+from pdmesh.loadtest import integrity, phases
+from pdmesh.loadtest.client import (
+    ClientConfig,
+    RequestResult,
+    model_info,
+    send_request,
+    server_root,
+)
 from pdmesh.loadtest.metrics import LATENCY_METRICS, PERCENTILES, compute_metrics, parse_goodput
 from pdmesh.loadtest.progress import ProgressBar
 from pdmesh.loadtest.runner import LoadShape, SendFn, run_load
 from pdmesh.loadtest.workload import RequestSpec, WorkloadSpec, build_warmup_requests
+
+PHASE_SETTLE_S = 0.5  # after the load, before the last /metrics scrape
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,16 @@ async def run_target(args: argparse.Namespace, target: Target, model: str,
         references: dict = {}
         if args.integrity and args.integrity_phase == "before":
             references = await _references(requests, send, stop, target, show_progress)
+        root = server_root(target.base_url)
+        before = await phases.scrape(session, root)  # a pdmesh gateway's phase histograms
         bar = ProgressBar(len(requests), target.label, show_progress)
         outcome = await run_load(requests, send, shape, stop, bar.on_event)
         bar.close()
+        if before is not None:
+            # Prefill's timing of the last requests may trail their last token.
+            await asyncio.sleep(PHASE_SETTLE_S)
+        ttft_breakdown = phases.breakdown(before, await phases.scrape(session, root)
+                                          if before is not None else None)
         if args.integrity and args.integrity_phase == "after":
             references = await _references(requests, send, stop, target, show_progress)
 
@@ -100,6 +115,7 @@ async def run_target(args: argparse.Namespace, target: Target, model: str,
         **compute_metrics(outcome.results, outcome.duration_s, slos,
                           getattr(args, "percentile_metrics", LATENCY_METRICS),
                           getattr(args, "metric_percentiles", PERCENTILES)),
+        "ttft_breakdown": ttft_breakdown,
     }
     mismatches = None
     if args.integrity:

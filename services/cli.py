@@ -36,6 +36,7 @@ BENCH = {
     "transport": "pdmesh.loadtest.bench.transport",
     "admission": "pdmesh.loadtest.bench.admission",
     "prefix-cache": "pdmesh.loadtest.bench.prefix",
+    "disagg": "pdmesh.loadtest.bench.disagg",
 }
 PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak",
                "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.natsauth",

@@ -49,6 +49,16 @@ HANDSHAKE_FIRST_FALLBACK = "300ms"  # clients that do not start with TLS wait th
 COMPOSE_SECRETS = "/run/secrets"  # where compose mounts the secrets in a container
 ANY_WORKER = "*"  # a role-level user's worker id: one NATS token, any worker of the role
 INBOX = "_INBOX.>"  # nats-py's reply subjects: every requester subscribes here
+# The largest NATS message the mesh's servers accept (nats-server's default is 1 MiB). A
+# control message carries the prompt's token ids (msgpack: at most 5 bytes each), so the
+# largest, a PrefillDispatch at MAX_CONTEXT_TOKENS (prompt, the repetition penalty's
+# distinct ids and one page id per token at worst, ~15 bytes a token: ~3.9 MB), fits with
+# twice that to spare (tests/gateway/test_gateway_long_prompt.py checks it). A prompt over
+# the served context is a 400 at the gateway before anything is sent; a submit that would
+# not fit a server's max_payload anyway (a context configured beyond MAX_CONTEXT_TOKENS, a
+# NATS set lower) is a 413 there, also before anything is sent.
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+MAX_CONTEXT_TOKENS = 262_144
 
 
 @dataclass(frozen=True)
@@ -114,9 +124,9 @@ def mesh_identities(processes: Iterable[tuple[str, str]]) -> dict[str, Identity]
 
 
 def server_config(identities: Iterable[Identity]) -> str:
-    """A nats-server `authorization` block for these identities (the listen address and
-    ports are given on nats-server's command line). Values are JSON strings, which the NATS
-    config syntax accepts as they are."""
+    """A nats-server `authorization` block for these identities, and the mesh's
+    `max_payload` (the listen address and ports are given on nats-server's command line).
+    Values are JSON strings, which the NATS config syntax accepts as they are."""
     users = []
     for ident in identities:
         perms = [f"publish: {{ allow: {json.dumps(list(ident.publish))} }}",
@@ -126,7 +136,8 @@ def server_config(identities: Iterable[Identity]) -> str:
         users.append(f"    {{ user: {json.dumps(ident.user)}, "
                      f"password: {json.dumps(ident.password)},\n"
                      f"      permissions: {{ {', '.join(perms)} }} }}")
-    return "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
+    return (f"max_payload: {MAX_PAYLOAD_BYTES}\n"
+            "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n")
 
 
 def role_identities(roles: Iterable[str] = ROLES) -> dict[str, Identity]:

@@ -41,6 +41,12 @@ def test_bounded_load_on_the_live_mesh(mesh, tmp_path):
     assert result["unexpected_rejections"] == 0
     assert result["completed"] == 9, result["errors_by_kind"]
     assert result["integrity_checked"] == 9 and result["integrity_mismatches"] == 0
+    # The TTFT by phase, from the gateway's /metrics over exactly the measured requests.
+    breakdown = result["ttft_breakdown"]
+    assert breakdown["requests"] == 9
+    by_phase = {p["phase"]: p for p in breakdown["phases"]}
+    assert by_phase["admission queue"]["requests"] == 9
+    assert 0 < sum(p["share_of_ttft"] or 0 for p in breakdown["phases"]) <= 1.05
     assert (tmp_path / "latency_cdf.png").read_bytes()[:8] == PNG_MAGIC
 
 

@@ -1,0 +1,286 @@
+"""`pdmesh bench disagg`: what disaggregation costs a long prompt's time to first token.
+
+One run starts a mesh (`pdmesh up`: prefill and decode apart, the KV sent over the
+transport) and a colocated mesh (`pdmesh up --colocated`: one process, no transfer) of the
+same model side by side, then sends each the same prompts at concurrency 1, alternating
+which goes first, a fresh random prompt per run (no prefix-cache hit). Per model and prompt
+length it reports:
+
+- `ttft_ratio_<model>_<len>`: median TTFT on the mesh / median TTFT colocated (target
+  <= 1.05). TTFT is the gateway's own (`pdmesh:time_to_first_token_seconds`, read as the
+  difference of two /metrics scrapes around each request), the same code on both sides;
+- `exposed_transfer_share_<model>_<len>`: the KV transfer left after the prefill ended /
+  the whole transfer, over the mesh's runs (the gateway's PhaseTiming histograms; target
+  <= 0.25 for prompts of 4 chunks or more); null when the prefill reports no timing;
+- `ttft_ratio_best_<model>_<len>`: the same of the fastest run on each side (less swayed
+  by other load on a shared machine);
+- the medians themselves (`ttft_s_<model>_<len>_{mesh,colocated}`), the runs done, the
+  machine's load average at the start and the end, what the budget left out, and an
+  `error_<model>_<len>` for a length that failed (the exit status is then 1).
+
+Bounded: lengths run shortest first and a length is skipped when `--budget-s` is spent
+(each is measured whole or not at all). The meshes run with generous liveness limits: this
+measures speed; liveness has its own tests. The last stdout line is one JSON object
+(`--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pdmesh.loadtest import phases
+from pdmesh.loadtest.bench import print_report
+from pdmesh.services.launcher import free_port
+
+LENGTHS = {"tiny": (1024, 4096, 16384, 32768), "smollm2": (1024, 4096, 8192)}
+TOKEN_RANGE = {"tiny": (3, 250), "smollm2": (200, 40000)}  # plain ids of each vocabulary
+MODEL_CONTEXT = {"smollm2": 8192}  # a model's own limit (tiny takes any --max-context)
+MAX_TOKENS = 1  # TTFT only
+API_KEY = "sk-dev-alice"
+READY_TIMEOUT_S = 300.0
+WARMUP_TIMEOUT_S = 120.0
+REQUEST_GRACE_S = 300.0  # past the budget, a started request still gets this long
+# Speed, not liveness, is measured here: no limit may cut a long prefill on a busy machine.
+BENCH_ENV = {"PDMESH_TRANSFER_DEADLINE_S": "1800", "PDMESH_PREFILL_STALL_S": "1800",
+             "PDMESH_REQUEST_TIMEOUT_S": "1800", "PDMESH_QUEUE_TIMEOUT_S": "60"}
+TTFT_SUM = f"{phases.TTFT}_sum"
+TRANSFER_SUM, TRANSFER_COUNT = f"{phases.TRANSFER}_sum", f"{phases.TRANSFER}_count"
+EXPOSED_SUM = "pdmesh:request_kv_transfer_exposed_time_seconds_sum"
+
+
+@dataclass
+class Server:
+    """One `pdmesh up` child, as a client sees it."""
+
+    label: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: list[str] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+    reader: threading.Thread | None = None
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.root + "/metrics", timeout=30) as resp:
+            return phases.parse(resp.read().decode())
+
+    def complete(self, prompt: list[int], model: str, timeout_s: float) -> float:
+        """One request; returns the gateway's TTFT for it (seconds)."""
+        before = self.metrics()
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(self.root + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {API_KEY}"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                resp.read()
+        except TimeoutError:
+            raise RuntimeError(f"{self.label}: no answer within {timeout_s:.0f}s") from None
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{self.label}: HTTP {exc.code}: "
+                               f"{exc.read()[:300].decode(errors='replace')}") from None
+        after = self.metrics()
+        return after.get(TTFT_SUM, 0.0) - before.get(TTFT_SUM, 0.0)
+
+    def wait_for_timing(self, transfers_before: float, timeout_s: float = 2.5) -> None:
+        """Prefill's PhaseTiming may trail the response a little (it follows decode's ack)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.metrics().get(TRANSFER_COUNT, 0.0) > transfers_before:
+                return
+            time.sleep(0.05)
+
+
+START_TRIES = 3  # `pdmesh up` picks free ports for its services; another process may win one
+
+
+@contextlib.contextmanager
+def started(label: str, model: str, context: int, colocated: bool) -> Iterator[Server]:
+    for attempt in range(START_TRIES):
+        server = _start(label, model, context, colocated)
+        try:
+            _wait_ready(server)
+        except RuntimeError:
+            _stop(server)
+            if attempt == START_TRIES - 1:
+                raise
+            continue
+        try:
+            yield server
+        finally:
+            _stop(server)
+        return
+
+
+def _start(label: str, model: str, context: int, colocated: bool) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdmesh.services.cli", "up", "--model", model,
+           "--gateway-port", str(port), "--max-context", str(context),
+           "--kv-tokens", str(context + 256), *(["--colocated"] if colocated else [])]
+    env = {**os.environ, "PDMESH_ALLOW_DEV_CREDENTIALS": "1", "PDMESH_LOG_LEVEL": "WARNING",
+           "PYTHONUNBUFFERED": "1", **BENCH_ENV}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server = Server(label, proc, port)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            server.log.append(line)
+            if "mesh ready: " in line:
+                server.ready.set()
+
+    server.reader = threading.Thread(target=pump, daemon=True)
+    server.reader.start()
+    return server
+
+
+def _wait_ready(server: Server) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not server.ready.wait(0.2):
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{server.label}: pdmesh up did not start:\n"
+                               + "\n".join(server.log[-30:]))
+
+
+def _stop(server: Server) -> None:
+    proc = server.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if server.reader is not None:
+        server.reader.join(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _label(length: int) -> str:
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
+def bench_model(model: str, lengths: list[int], runs: int, budget_end: float,
+                report: dict[str, object], skipped: list[str]) -> None:
+    context = MODEL_CONTEXT.get(model, max(lengths) + MAX_TOKENS)
+    rng = random.Random(f"disagg-{model}")
+    low, high = TOKEN_RANGE.get(model, (200, 1000))
+    with started("mesh", model, context, False) as mesh, \
+            started("colocated", model, context, True) as colo:
+        for server in (mesh, colo):  # first calls pay for lazy set-up: not measured
+            server.complete([rng.randint(low, high) for _ in range(64)], model, WARMUP_TIMEOUT_S)
+        for length in sorted(lengths):
+            key = f"{model}_{_label(length)}"
+            if time.monotonic() > budget_end:
+                skipped.append(key)
+                continue
+            prompt_len = min(length, context - MAX_TOKENS)  # smollm2's 8k: the whole context
+            ttfts: dict[str, list[float]] = {"mesh": [], "colocated": []}
+            before = mesh.metrics()
+            try:
+                for run in range(runs):
+                    prompt = [rng.randint(low, high) for _ in range(prompt_len)]
+                    order = (mesh, colo) if run % 2 == 0 else (colo, mesh)
+                    for server in order:
+                        transfers = server.metrics().get(TRANSFER_COUNT, 0.0)
+                        # A request may overrun the budget, never the budget by far.
+                        timeout_s = max(budget_end - time.monotonic(), 0.0) + REQUEST_GRACE_S
+                        ttfts[server.label].append(server.complete(prompt, model, timeout_s))
+                        if server is mesh:
+                            server.wait_for_timing(transfers)
+            except RuntimeError as exc:  # this length failed; the next may not
+                print(f"pdmesh bench disagg: {key}: {exc}", file=sys.stderr, flush=True)
+                report[f"error_{key}"] = str(exc).splitlines()[0][:500]
+                continue
+            after = mesh.metrics()
+            mesh_s, colo_s = (statistics.median(ttfts[k]) for k in ("mesh", "colocated"))
+            transfer = after.get(TRANSFER_SUM, 0.0) - before.get(TRANSFER_SUM, 0.0)
+            exposed = after.get(EXPOSED_SUM, 0.0) - before.get(EXPOSED_SUM, 0.0)
+            report[f"ttft_ratio_{key}"] = mesh_s / colo_s if colo_s > 0 else None
+            # Of the fastest runs: less swayed by other load on a shared machine.
+            best_colo = min(ttfts["colocated"])
+            report[f"ttft_ratio_best_{key}"] = (min(ttfts["mesh"]) / best_colo
+                                                if best_colo > 0 else None)
+            report[f"exposed_transfer_share_{key}"] = exposed / transfer if transfer > 0 \
+                else None
+            report[f"ttft_s_{key}_mesh"] = mesh_s
+            report[f"ttft_s_{key}_colocated"] = colo_s
+            report[f"prompt_tokens_{key}"] = prompt_len
+            report[f"runs_{key}"] = runs
+            print(f"disagg: {key}: mesh {mesh_s:.3f}s colocated {colo_s:.3f}s "
+                  f"(runs {runs})", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pdmesh bench disagg",
+        description="Mesh vs --colocated time to first token at concurrency 1, by prompt "
+                    "length, and the share of the KV transfer left after the prefill.")
+    parser.add_argument("--models", default="tiny,smollm2",
+                        help="comma-separated: tiny (1k/4k/16k/32k, long context), smollm2 "
+                             "(1k/4k/8k); default %(default)s")
+    parser.add_argument("--lengths", default="",
+                        help="comma-separated prompt lengths in tokens for every model "
+                             "(default: each model's own list)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="requests per length and side; the median is reported")
+    parser.add_argument("--budget-s", type=float, default=900.0,
+                        help="no new length starts after this many seconds (default "
+                             "%(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    models = [name for name in args.models.split(",") if name]
+    unknown = [name for name in models if name not in LENGTHS]
+    if unknown or not models or args.runs < 1 or args.budget_s <= 0:
+        parser.error(f"--models from {', '.join(LENGTHS)}; --runs >= 1; --budget-s > 0"
+                     + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    try:
+        custom = [int(v) for v in args.lengths.split(",") if v]
+    except ValueError:
+        parser.error("--lengths: comma-separated integers")
+    if any(n < 16 for n in custom):
+        parser.error("--lengths: at least 16 tokens each")
+    started_at = time.monotonic()
+    report: dict[str, object] = {"load_avg_1m_start": os.getloadavg()[0],
+                                 "cpu_count": os.cpu_count()}
+    skipped: list[str] = []
+    for model in models:
+        lengths = custom or list(LENGTHS[model])
+        if time.monotonic() > started_at + args.budget_s:
+            skipped += [f"{model}_{_label(n)}" for n in lengths]
+            continue
+        try:
+            bench_model(model, lengths, args.runs, started_at + args.budget_s, report,
+                        skipped)
+        except RuntimeError as exc:  # a mesh that did not start, a request that failed
+            print(f"pdmesh bench disagg: {model}: {exc}", file=sys.stderr)
+            report[f"error_{model}"] = str(exc).splitlines()[0]
+    report.update(load_avg_1m_end=os.getloadavg()[0], skipped=skipped,
+                  wall_s=time.monotonic() - started_at, target_ttft_ratio=1.05,
+                  target_exposed_transfer_share=0.25)
+    print_report(report, args.json, 3)
+    return 1 if any(key.startswith("error_") for key in report) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

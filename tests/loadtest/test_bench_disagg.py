@@ -1,0 +1,42 @@
+"""`pdmesh bench disagg` end to end, at its smallest: both meshes start, the same prompts
+go to each, and the one JSON object carries every figure it promises. No speed assertion
+here: the targets live in the bench's own output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.meshproc import REPO
+
+
+@pytest.mark.slow
+def test_bench_disagg_reports_ratio_and_medians_for_each_length() -> None:
+    res = subprocess.run([sys.executable, "-m", "pdmesh.services.cli", "bench", "disagg",
+                          "--models", "tiny", "--lengths", "64,600", "--runs", "1",
+                          "--budget-s", "300", "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["skipped"] == []
+    for key in ("tiny_64", "tiny_600"):
+        assert report[f"ttft_s_{key}_mesh"] > 0 and report[f"ttft_s_{key}_colocated"] > 0
+        assert report[f"ttft_ratio_best_{key}"] > 0
+        assert report[f"ttft_ratio_{key}"] == pytest.approx(
+            report[f"ttft_s_{key}_mesh"] / report[f"ttft_s_{key}_colocated"])
+        share = report[f"exposed_transfer_share_{key}"]
+        assert share is None or share >= 0
+    assert report["prompt_tokens_tiny_600"] == 600
+    assert report["target_ttft_ratio"] == 1.05
+
+
+def test_bench_disagg_refuses_bad_arguments() -> None:
+    for args in (["--models", "gpt5"], ["--runs", "0"], ["--lengths", "abc"]):
+        res = subprocess.run([sys.executable, "-m", "pdmesh.services.cli", "bench", "disagg",
+                              *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                             check=False)
+        assert res.returncode == 2, (args, res.stderr)
+        assert "Traceback" not in res.stderr
