@@ -17,12 +17,21 @@ import nats
 
 from pdmesh.services import messages as m
 from pdmesh.services import natsauth
+from tests.isolation.meshstats import query_stats, worker_stats
 from tests.meshproc import Mesh
 
 MIB = 1024 * 1024
 
 
+def admission_rejections(mesh: Mesh) -> float:
+    """Admission's own rejection count (its worker id shares the run's suffix)."""
+    suffix = next(iter(worker_stats(mesh.nats_url, listen_s=0.6))).rsplit("-", 1)[1]
+    (reply,) = query_stats(mesh.nats_url, [(m.Role.ADMISSION, f"admission-{suffix}")])
+    return reply.counters["rejections"]
+
+
 def test_a_multi_megabyte_prompt_is_a_400_not_a_500(live_mesh: Mesh) -> None:
+    rejected_before = admission_rejections(live_mesh)
     prompt = "long prompt " * 300_000  # ~3.6 MB: ~3.6 M tokens of the byte tokenizer
     ids = [65] * 1_000_000  # ~2 MB of JSON token ids
     for path, body in (
@@ -37,6 +46,8 @@ def test_a_multi_megabyte_prompt_is_a_400_not_a_500(live_mesh: Mesh) -> None:
         assert reply["error"]["code"] == "context_length_exceeded", reply
         assert f"maximum context length is {live_mesh.max_context}" in \
             reply["error"]["message"]
+    # Decided by the gateway: no control message carried these prompts to admission.
+    assert admission_rejections(live_mesh) == rejected_before
     # The mesh still serves.
     status, reply = live_mesh.http("POST", "/v1/completions",
                                    {"model": "tiny", "prompt": "still here", "max_tokens": 2})
