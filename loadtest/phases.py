@@ -44,16 +44,19 @@ def parse(text: str) -> Scrape:
 
 
 async def scrape(session: aiohttp.ClientSession, server_root: str) -> Scrape | None:
-    """The server's figures, or None when it has no /metrics or no pdmesh TTFT series."""
+    """The server's figures, or None when it has no /metrics or no pdmesh series."""
     try:
         async with session.get(server_root.rstrip("/") + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=10)) as resp:
             if resp.status != 200:
                 return None
-            figures = parse(await resp.text())
+            text = await resp.text()
+            figures = parse(text)
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
-    return figures if f"{TTFT}_count" in figures else None
+    # A fresh pdmesh gateway has no TTFT sample yet (its series carry a tenant label): it
+    # is recognised by its series prefix, and its "before" is all zeros.
+    return figures if f"{TTFT}_count" in figures or "\npdmesh:" in text else None
 
 
 def _mean(before: Mapping[str, float], after: Mapping[str, float], name: str

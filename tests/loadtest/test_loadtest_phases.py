@@ -65,3 +65,37 @@ def test_summary_prints_the_breakdown_rows() -> None:
     rows = phases.format_breakdown(b)
     assert ("  prefill compute", "8.0 ms (80%)") in rows
     assert ("  KV transfer exposed / whole", "-") in rows
+
+
+async def test_a_fresh_gateway_is_scraped_so_the_first_run_gets_a_breakdown() -> None:
+    # Regression: a gateway that had served nothing yet has no TTFT sample (its series
+    # carry a tenant label), so the "before" scrape was taken for a server without pdmesh
+    # series and the first `pdmesh loadtest` against a fresh mesh printed no breakdown.
+    import aiohttp
+    from aiohttp import web
+
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry, "tiny")
+
+    async def serve(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as session:
+            before = await phases.scrape(session, f"http://127.0.0.1:{port}")
+            assert before is not None  # a pdmesh gateway, nothing observed yet
+            _observe(metrics, 2.0, m.PhaseTiming(request_id="r", queue_s=0.1, prefill_s=1.5,
+                                                 transfer_s=0.4, exposed_transfer_s=0.1),
+                     0.05, 0.01)
+            after = await phases.scrape(session, f"http://127.0.0.1:{port}")
+        got = phases.breakdown(before, after)
+        assert got is not None
+    finally:
+        await runner.cleanup()
