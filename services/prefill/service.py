@@ -497,14 +497,18 @@ class PrefillService(WorkerBase):
             self._fail_job(job, m.Code.INTERNAL, f"KV send failed: {exc}", "error")
         finally:
             # The engine may be writing the lease: wait for the chunk to end (the loop
-            # stops the job at its next turn, the job being ended or its send over).
+            # stops the job at its next turn, the job being ended or its send over). Not
+            # when the worker shuts down (this task cancelled): the loop is cancelled too
+            # and would never say so; the pool goes with the process.
             self._work.set()
-            await job.settled.wait()
-            # Release before telling: this worker's pages are back before anyone hears.
-            self.pool.release(job.lease, life.outcome.label if life.outcome
-                              else life.state.name.lower())
-            self.queue.done(job)
-            self._work.set()
+            task = asyncio.current_task()
+            if task is None or not task.cancelling():
+                await job.settled.wait()
+                # Release before telling: this worker's pages are back before anyone hears.
+                self.pool.release(job.lease, life.outcome.label if life.outcome
+                                  else life.state.name.lower())
+                self.queue.done(job)
+                self._work.set()
         if job.failure is not None:
             await self._give_up(d, *job.failure)
         if unreachable:
