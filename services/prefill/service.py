@@ -57,15 +57,16 @@ DispatchIntake = Callable[[m.PrefillDispatch, Mapping[str, str] | None],
                           m.PrefillDispatch | None]
 
 
-def transfer_plan(d: m.PrefillDispatch, first_token: int, deadline_s: float,
-                  mesh_secret: str) -> TransferPlan:
+def transfer_plan(d: m.PrefillDispatch, deadline_s: float, mesh_secret: str) -> TransferPlan:
     """The decode reservation of a dispatch, as the transport's plan: the one conversion
-    (its frames are MACed under the reservation's key, derived from the mesh secret)."""
+    (its frames are MACed under the reservation's key, derived from the mesh secret). The
+    plan is made before the first token is sampled: the streamed send's commit takes the
+    token from `PagesReady.complete()`, so the plan's own `first_token` is never sent."""
     r = d.reservation
     return TransferPlan(reservation_id=r.reservation_id, epoch=r.epoch,
                         dest_page_ids=tuple(r.page_ids), num_tokens=len(d.prompt_ids),
                         page_tokens=r.page_tokens, page_bytes=r.page_bytes,
-                        first_token=first_token, deadline_s=deadline_s,
+                        first_token=0, deadline_s=deadline_s,
                         key=transfer_key(mesh_secret, r.reservation_id, r.epoch))
 
 
@@ -108,10 +109,6 @@ log = logging.getLogger("pdmesh.prefill")
 
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                  60, 120, 300)
-# The plan of a streamed send is made before the first token is sampled; the commit takes
-# the token from `PagesReady.complete()` instead.
-STREAMED_FIRST_TOKEN = 0
-
 
 class TimedPages(PagesReady):
     """The pages a streamed send waits for, timing how long the transport waited for the
@@ -470,8 +467,7 @@ class PrefillService(WorkerBase):
         d, life = job.dispatch, job.lifecycle
         assert job.pages is not None and job.lease is not None
         unreachable = ""  # why decode's data address could not be reached, if it could not
-        plan = transfer_plan(d, STREAMED_FIRST_TOKEN, self.cfg.transfer_deadline_s,
-                             self.cfg.mesh_secret)
+        plan = transfer_plan(d, self.cfg.transfer_deadline_s, self.cfg.mesh_secret)
         sent_at = time.monotonic()
         try:
             ack = await self.transport.send(d.reservation.data_address, plan, buffers,
