@@ -108,6 +108,11 @@ SETTINGS: tuple[Setting, ...] = (
             3600.0, "Ceiling on one request's prefill + KV transfer. Liveness is by progress "
             "(--prefill-stall-s): a prefill that keeps computing is not cut before this; "
             "aborts, stalls and peer failures free the leases at once."),
+    Setting("transfer_progress_s", "--transfer-progress-s", "PDMESH_TRANSFER_PROGRESS_S",
+            float, 5.0, "KV data plane: the longest a live transfer may go without progress "
+            "(a connect, a header, a page landing, the receiver's reply) before its peer "
+            "counts as lost (PEER_LOST, leases freed). UCX does not report a frozen peer by "
+            "itself. Between prefill chunks a streamed transfer is paused, not idle."),
     Setting("prefill_max_active", "--prefill-max-active", "PDMESH_PREFILL_MAX_ACTIVE", int, 4,
             "Prefill: prompts computed at once, taking turns one chunk each (a short prompt "
             "behind a long one is not held up by all of it); each holds its lease."),
@@ -176,6 +181,7 @@ class ServiceConfig:
     queue_timeout_s: float
     reserve_timeout_s: float
     transfer_deadline_s: float
+    transfer_progress_s: float
     prefill_max_active: int
     prefill_stall_s: float
     ticket_ttl_s: float
@@ -312,7 +318,7 @@ def _validate(cfg: ServiceConfig, env: Mapping[str, str]) -> None:
     if cfg.torch_threads < 0:
         raise ConfigError("torch_threads", cfg.torch_threads, "must be >= 0")
     for field in ("heartbeat_s", "worker_ttl_s", "queue_timeout_s", "reserve_timeout_s",
-                  "transfer_deadline_s", "prefill_stall_s", "ticket_ttl_s",
+                  "transfer_deadline_s", "transfer_progress_s", "prefill_stall_s", "ticket_ttl_s",
                   "nats_connect_timeout_s", "request_timeout_s"):
         if not getattr(cfg, field) > 0:
             raise ConfigError(field, getattr(cfg, field), "must be > 0")

@@ -204,7 +204,8 @@ def prefill_wiring(cfg: ServiceConfig) -> tuple[KVTransport | None, Any]:
     into the real transport at construction."""
     if not enabled(cfg):
         return None, accept_dispatch
-    inner = make_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port, faults=True)
+    inner = make_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port, faults=True,
+                           progress_timeout_s=cfg.transfer_progress_s)
     assert isinstance(inner, FaultInjectingTransport)
     sender = FaultySender(inner)
     return sender, FaultIntake(sender)  # type: ignore[return-value]

@@ -36,7 +36,8 @@ T = TypeVar("T")
 
 
 def make_worker_transport(cfg: ServiceConfig) -> KVTransport:
-    return make_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port)
+    return make_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port,
+                          progress_timeout_s=cfg.transfer_progress_s)
 
 
 class WorkerBase:

@@ -312,7 +312,7 @@ class UcxTransport(TransportCore):
         try:
             # A first loopback connect on a loaded 2-core machine measured ~1 s.
             return await timed(ucx.create_endpoint(host, port),
-                               max(2 * self.progress_timeout_s, 1.5))
+                               max(self.progress_timeout_s, 1.5))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - ucxx raises many kinds; all mean peer lost

@@ -40,7 +40,13 @@ from pdmesh.services.errors import TicketError
 from pdmesh.services.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime import counter_total
 from pdmesh.services.worker import WorkerBase, run_worker
-from pdmesh.transports import ExpectedTransfer, KVTransport, TransferError, TransferResult
+from pdmesh.transports import (
+    ExpectedTransfer,
+    KVTransport,
+    Reason,
+    TransferError,
+    TransferResult,
+)
 from pdmesh.transports.framing import transfer_key
 
 log = logging.getLogger("pdmesh.decode")
@@ -256,6 +262,8 @@ class DecodeService(WorkerBase):
             committed_at = time.monotonic()
         except TransferError as exc:
             self.transfers.labels(exc.reason.name.lower()).inc()
+            if exc.reason is not Reason.ABORTED:
+                log.warning("KV transfer for %s failed: %s", dreq.request_id, exc)
             await self.end(dreq, m.Outcome(code=m.Code.TRANSFER_FAILED,
                                            detail=f"KV transfer failed: {exc}"))
             return

@@ -49,7 +49,11 @@ REPO = Path(__file__).resolve().parents[2]
 NATS_PORT, NATS_MONITOR, NATS_ROUTE_PORT = 4222, 8222, 6222
 GATEWAY_PORT = 8000
 KV_TOKENS = 4096
-TRANSFER_DEADLINE_S = 5.0
+# A ceiling only (liveness is by progress): a loaded 2-core CI box runs three NATS nodes,
+# seven services and the test, and six concurrent prompts may queue in prefill for seconds.
+TRANSFER_DEADLINE_S = 60.0
+# --transfer-progress-s (the services' default): a peer that makes no progress this long is lost.
+TRANSFER_PROGRESS_S = 5.0
 WORKER_TTL_S = 3.0
 HOSTS = ("control", "prefill", "decode", "decode2")
 # (host, role, worker id, HTTP port); admission first, the gateway last (topology's order).
@@ -240,6 +244,7 @@ class Lab:
             "PDMESH_KV_TOKENS": str(KV_TOKENS),
             "PDMESH_MAX_CONTEXT": str(KV_TOKENS),  # no clamp: `pdmesh check` exits 0
             "PDMESH_TRANSFER_DEADLINE_S": str(TRANSFER_DEADLINE_S),
+            "PDMESH_TRANSFER_PROGRESS_S": str(TRANSFER_PROGRESS_S),
             "PDMESH_WORKER_TTL_S": str(WORKER_TTL_S),
             "PDMESH_TORCH_THREADS": "1",
         })
