@@ -202,7 +202,8 @@ class TransportCore(abc.ABC):
     """Shared state and behaviour of the transports (see the module docstring)."""
 
     scheme = ""
-    # TCP streams frames as they are built (checksums overlap the sends); UCX needs them all.
+    # Whether `_stream` gets the frames as a lazy iterator (TCP, UCX: checksums overlap the
+    # sends) or as a list built first.
     lazy_frames = False
     # Pages a receiver may have posted but not yet seen land (`_recv_page` returning a
     # landing; 0 for transports whose `_recv_page` reads the page itself).

@@ -94,6 +94,22 @@ _SPIN_S = 0.002  # a sender re-checks a WRITE without sleeping for this long
 _NEVER_FREED: list = []  # staging regions of closed transports that were never released
 
 
+@contextlib.contextmanager
+def without_ucxx_env():
+    """Hide the UCX settings ucxx's import injected into the environment (when the ucx
+    transport was loaded in this process: `ucx.UCXX_ENV`) while NIXL creates its UCX
+    context, so NIXL runs on UCX's own defaults or the operator's settings. Measured:
+    ucxx's UCX_RNDV_THRESH=8192 turns a NIXL WRITE between processes from zero-copy CMA
+    (~10 GB/s) into software emulation over tcp/lo (~1 GB/s)."""
+    ucx_module = sys.modules.get(f"{__package__}.ucx")
+    injected = dict(getattr(ucx_module, "UCXX_ENV", {}))
+    hidden = {k: os.environ.pop(k) for k, v in injected.items() if os.environ.get(k) == v}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
 @dataclasses.dataclass(eq=False)
 class _Region:
     """A receiver's staging region: lent to one inbound link at a time."""
@@ -158,8 +174,9 @@ class NixlTransport(TcpTransport):
 
     async def start(self) -> str:
         if self._agent is None:
-            self._agent = nixl_agent(self.name, nixl_agent_config(
-                enable_prog_thread=False, backends=["UCX"]))
+            with without_ucxx_env():
+                self._agent = nixl_agent(self.name, nixl_agent_config(
+                    enable_prog_thread=False, backends=["UCX"]))
             if "UCX" not in self._agent.backends:
                 raise RuntimeError("nixl transport: NIXL's UCX backend did not start")
             self._spawn(self._progress())

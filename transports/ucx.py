@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import os
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -41,7 +43,18 @@ from .receiver import Slot
 _RUN_BYTES = 16 << 20  # the most payload bytes one coalesced message carries
 _RUN_PAGES = 64
 
+# UCX's TCP transport (the one an endpoint with peer error handling gets between two
+# processes on a host, and between hosts without RDMA) moves data in 8 KiB send / 64 KiB
+# receive segments by default; 1 MiB segments doubled its bandwidth here (a bare ucxx
+# 64 MiB send over loopback: 0.75 -> 1.6-1.9 GB/s; the transport at 16 / 64 MiB: 0.89 /
+# 0.84 -> 1.4-1.7 / 1.7-2.0 GB/s). Cost: up to 1 MiB per buffer, 8 buffers per pool growth
+# step. Set before UCX is loaded; an operator's own values win. transports/README.md.
+UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+for _key, _value in UCX_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+
 ucx_import_error: Exception | None = None
+_env_before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
 try:
     import ucxx as ucx
     from ucxx._lib.arr import Array
@@ -53,6 +66,13 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         ucx = None
         ucx_import_error = exc
     Array = Tag = TagMaskFull = None  # type: ignore[assignment,misc]
+# UCX settings ucxx's import put into this process's environment (its GPU-oriented
+# defaults, e.g. UCX_RNDV_THRESH=8192). Every UCX context created later in the process reads
+# them, NIXL's too: measured here, UCX_RNDV_THRESH=8192 turns NIXL's cross-process WRITE
+# from zero-copy CMA (~10 GB/s) into software emulation over tcp/lo (~1 GB/s). The nixl
+# transport hides them while it creates its agent (`without_ucxx_env`).
+UCXX_ENV = {k: v for k, v in os.environ.items()
+            if k.startswith("UCX_") and _env_before.get(k) != v}
 
 
 def _np(buf) -> np.ndarray:
@@ -90,23 +110,29 @@ def _span(views) -> np.ndarray | None:
     return np.frombuffer((ctypes.c_uint8 * (pos - start)).from_address(start), np.uint8)
 
 
-def _runs(frames: list[Frame]) -> list[list[Frame]]:
+def _runs(frames: Iterable[Frame]) -> Iterator[list[Frame]]:
     """DATA frames grouped into runs: payloads back to back in memory, destination page ids
-    consecutive, at most _RUN_BYTES and _RUN_PAGES a run; other frames alone."""
-    runs: list[list[Frame]] = []
+    consecutive, at most _RUN_BYTES and _RUN_PAGES a run; other frames alone. Lazy: a run
+    is yielded as soon as the next frame (or the end) closes it, so the sender posts it
+    while the frames after it are still being built (checksummed)."""
+    run: list[Frame] = []
     end = -1
+    run_bytes = 0
     for frame in frames:
         h = decode_header(frame.header) if len(frame.payload) else None
-        run = runs[-1] if runs else None
-        if (h is not None and run is not None and len(run) < _RUN_PAGES
+        if (h is not None and run and len(run) < _RUN_PAGES
                 and len(run[-1].payload) and _address(frame.payload) == end
                 and h.dest_page_id == decode_header(run[-1].header).dest_page_id + 1
-                and sum(len(f.payload) for f in run) + len(frame.payload) <= _RUN_BYTES):
+                and run_bytes + len(frame.payload) <= _RUN_BYTES):
             run.append(frame)
+            run_bytes += len(frame.payload)
         else:
-            runs.append([frame])
+            if run:
+                yield run
+            run, run_bytes = [frame], len(frame.payload)
         end = _address(frame.payload) + len(frame.payload) if h is not None else -1
-    return runs
+    if run:
+        yield run
 
 
 def _posting(ep) -> bool:
@@ -139,6 +165,9 @@ class UcxTransport(TransportCore):
     # Runs of pages adjacent in the sender's memory, for adjacent destination page ids, go
     # as one payload message (up to _RUN_BYTES); the receiver posts one receive for them.
     coalesces = True
+    # Frames are built (checksummed) as they are posted: `_runs` yields each run once the
+    # next frame closes it.
+    lazy_frames = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  progress_timeout_s: float = 0.75, quarantine_s: float = 5.0,
@@ -334,13 +363,14 @@ class UcxTransport(TransportCore):
         _abort(ep)
 
     async def _stream(self, ep, frames, reply: asyncio.Task) -> None:
-        """Post every message of the transfer at once (UCX pipelines them), then wait for
-        them in order, each within the progress timeout."""
+        """Post every message of the transfer as soon as its run of frames is built (UCX
+        pipelines them; its progress thread sends a run while the next one is
+        checksummed), then wait for them in order, each within the progress timeout."""
         if not _posting(ep):
             await self._emit(ep, frames, reply)
             return
         posted = []
-        for run in _runs(list(frames)):
+        for run in _runs(frames):
             headers = [f.header for f in run]
             if len(run) > 1:  # the first header announces the run (`aux`)
                 first = decode_header(headers[0])._replace(aux=len(run))

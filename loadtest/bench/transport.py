@@ -7,7 +7,10 @@ the ratio; with --json the last stdout line is one JSON object: per transport an
 `transport_gbps`, `raw_gbps`, `ratio`, and for ucx also `perftest_gbps`, the native
 `ucx_perftest -t tag_bw` (shipped in the libucx wheel) for a message of the same size, run
 by the bench with the same `UCX_TLS` (null when the binary is not found), plus
-`vs_perftest` (transport_gbps / perftest_gbps) and the machine's load average. Frames are
+`vs_perftest` (transport_gbps / perftest_gbps), for ucx `perftest_errh_gbps` (the same
+with `-e`: endpoints with peer error handling, as ucxx always creates them; UCX then has
+no shared-memory lane between processes and moves tag messages over tcp/lo, while plain
+`tag_bw` uses zero-copy CMA) and `vs_perftest_errh`, and the machine's load average. Frames are
 authenticated as in production (HMAC-SHA256 per header under a per-reservation key):
 `mac_us_per_frame` is what one frame's MAC costs (sign + verify, measured in this run)
 and each row's `mac_share` that cost over its whole transfer time.
@@ -213,9 +216,10 @@ def _perftest_binary() -> tuple[str, str] | None:
     return (binary, os.path.join(root, "lib")) if os.access(binary, os.X_OK) else None
 
 
-async def _perftest_gbps(nbytes: int, repeat: int) -> float | None:
+async def _perftest_gbps(nbytes: int, repeat: int, errh: bool = False) -> float | None:
     """Native UCX tag bandwidth for `nbytes` messages on loopback: an `ucx_perftest`
-    server and client, launched here with this process's UCX_TLS. GB/s, or None."""
+    server and client, launched here with this process's UCX_TLS (with `errh`, endpoints
+    with peer error handling, `-e`). GB/s, or None."""
     found = _perftest_binary()
     if found is None:
         return None
@@ -226,7 +230,7 @@ async def _perftest_gbps(nbytes: int, repeat: int) -> float | None:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
     iters = str(max(8, repeat * (256 << 20) // nbytes))
-    common = ("-p", port, "-f", "-v")
+    common = ("-p", port, "-f", "-v", *(("-e",) if errh else ()))
     server = await asyncio.create_subprocess_exec(
         binary, *common, env=env, stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL)
@@ -327,6 +331,10 @@ async def _add_perftest(row: dict, kind: str, nbytes: int, repeat: int) -> None:
         gbps = await _perftest_gbps(nbytes, repeat)
         row["perftest_gbps"] = gbps
         row["vs_perftest"] = row["transport_gbps"] / gbps if gbps else None
+    if kind == "ucx":
+        gbps = await _perftest_gbps(nbytes, repeat, errh=True)
+        row["perftest_errh_gbps"] = gbps
+        row["vs_perftest_errh"] = row["transport_gbps"] / gbps if gbps else None
 
 
 async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[dict]:

@@ -51,6 +51,9 @@ def test_bench_transport_ucx_json_has_the_native_perftest() -> None:
         assert r["transport_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
         assert r["perftest_gbps"] > 0, "ucx_perftest from the libucx wheel did not run"
         assert r["vs_perftest"] == pytest.approx(r["transport_gbps"] / r["perftest_gbps"])
+        assert r["perftest_errh_gbps"] > 0, "ucx_perftest -e did not run"
+        assert r["vs_perftest_errh"] == pytest.approx(r["transport_gbps"]
+                                                      / r["perftest_errh_gbps"])
 
 
 def test_bench_prefix_cache_json() -> None:
