@@ -47,7 +47,7 @@ from pdmesh.transports import (
     PagesReady,
     TransferAck,
     TransferPlan,
-    make_transport,
+    make_service_transport,
 )
 
 FAULT_HEADER = "X-Pdmesh-Fault"  # HTTP header the gateway reads on a test mesh
@@ -204,8 +204,8 @@ def prefill_wiring(cfg: ServiceConfig) -> tuple[KVTransport | None, Any]:
     into the real transport at construction."""
     if not enabled(cfg):
         return None, accept_dispatch
-    inner = make_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port, faults=True,
-                           progress_timeout_s=cfg.transfer_progress_s)
+    inner = make_service_transport(cfg.transport, cfg.data_host, cfg.data_port, faults=True,
+                                   progress_timeout_s=cfg.transfer_progress_s)
     assert isinstance(inner, FaultInjectingTransport)
     sender = FaultySender(inner)
     return sender, FaultIntake(sender)  # type: ignore[return-value]

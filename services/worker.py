@@ -29,15 +29,15 @@ from pdmesh.services.engine.runner import Engine, make_pool
 from pdmesh.services.errors import StartupError
 from pdmesh.services.runtime import ServiceRuntime, counter_total, run_service
 from pdmesh.services.tickets import TicketVerifier
-from pdmesh.transports import KVTransport, make_transport
+from pdmesh.transports import KVTransport, make_service_transport, stop_ucx_notifier
 
 log = logging.getLogger("pdmesh.worker")
 T = TypeVar("T")
 
 
 def make_worker_transport(cfg: ServiceConfig) -> KVTransport:
-    return make_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port,
-                          progress_timeout_s=cfg.transfer_progress_s)
+    return make_service_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port,
+                                  progress_timeout_s=cfg.transfer_progress_s)
 
 
 class WorkerBase:
@@ -195,4 +195,7 @@ class WorkerBase:
 
 
 async def run_worker(worker: WorkerBase) -> None:
-    await run_service(worker.rt, worker.start)
+    try:
+        await run_service(worker.rt, worker.start)
+    finally:
+        stop_ucx_notifier()  # its transport has closed (drained) by now

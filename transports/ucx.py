@@ -75,6 +75,14 @@ UCXX_ENV = {k: v for k, v in os.environ.items()
             if k.startswith("UCX_") and _env_before.get(k) != v}
 
 
+def stop_notifier() -> None:
+    """Stop ucxx's notifier thread (running when `UCXPY_ENABLE_PYTHON_FUTURE=1`): until it
+    is stopped it keeps the process from exiting (ucxx documents this). Call once, when the
+    process's last UCX transport has closed; a no-op when ucxx never started."""
+    if ucx is not None and hasattr(ucx, "stop_notifier_thread"):
+        ucx.stop_notifier_thread()
+
+
 def _np(buf) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 

@@ -51,7 +51,12 @@ from types import ModuleType
 
 import numpy as np
 
-from pdmesh.transports import ExpectedTransfer, TransferPlan, make_transport
+from pdmesh.transports import (
+    ExpectedTransfer,
+    TransferPlan,
+    make_transport,
+    stop_ucx_notifier,
+)
 from pdmesh.transports.framing import Kind, decode_header, encode_header, mac_ok, transfer_key
 
 SIZES_MIB = (1, 16, 64)
@@ -359,14 +364,6 @@ async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[d
             await sender.close()
             await peer.stop()
     return results
-
-
-def stop_ucx_notifier() -> None:
-    """With `UCXPY_ENABLE_PYTHON_FUTURE=1` ucxx's notifier thread keeps the process from
-    exiting unless it is stopped first (ucxx documents this); a no-op otherwise."""
-    module = sys.modules.get("pdmesh.transports.ucx")
-    if module is not None and module.ucx is not None:
-        module.ucx.stop_notifier_thread()
 
 
 async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> dict:

@@ -26,8 +26,7 @@ import time
 
 import numpy as np
 
-from pdmesh.loadtest.bench.transport import stop_ucx_notifier
-from pdmesh.transports import ExpectedTransfer, make_transport
+from pdmesh.transports import ExpectedTransfer, make_transport, stop_ucx_notifier
 from pdmesh.transports.framing import transfer_key
 
 PAGE_BYTES = 1 << 20

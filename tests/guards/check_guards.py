@@ -323,6 +323,13 @@ MUTATIONS = [
              "        if True:\n            self._free.append(region)",
              ("tests/transports/test_nixl.py::"
               "test_a_region_is_lent_again_only_after_its_senders_release",)),
+    Mutation("ucx-service-futures", "service processes run ucxx with its futures (an idle "
+             "worker's posted UCX receive is not polled by the event loop)",
+             "transports/__init__.py",
+             '        os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")',
+             "        pass",
+             ("tests/isolation/test_ucx_mesh.py::"
+              "test_idle_workers_do_not_spin_after_transfers[ucx]",)),
 ]
 
 

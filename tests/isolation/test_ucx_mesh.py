@@ -5,6 +5,8 @@ its own request."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -55,3 +57,32 @@ def test_a_faulty_transfer_fails_only_that_request(transport_mesh: Mesh, fault: 
         "model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
     assert status == 200 and body["choices"][0]["text"] == expected_text(PROMPT, 8)
     assert_pools_clean(transport_mesh.nats_url)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_idle_workers_do_not_spin_after_transfers(transport_mesh: Mesh) -> None:
+    """After traffic, an idle decode worker keeps its pooled inbound link (a header receive
+    stays posted). With ucxx polling every outstanding request from the event loop (no
+    `UCXPY_ENABLE_PYTHON_FUTURE`, how services ran before), that idle worker used a whole
+    core for as long as it lived (1.0 CPU-s per second, measured); services now run ucxx
+    with its futures (`make_service_transport`)."""
+    for _ in range(3):
+        status, body = transport_mesh.http("POST", "/v1/completions", {
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert status == 200, body
+    workers = [pid for pid in transport_mesh.child_pids()
+               if b"serve\x00decode" in open(f"/proc/{pid}/cmdline", "rb").read()
+               or b"serve\x00prefill" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(workers) >= 2, transport_mesh.child_pids()
+    time.sleep(1.0)  # the requests' own work is over
+    before = {pid: _cpu_s(pid) for pid in workers}
+    started = time.monotonic()
+    time.sleep(3.0)
+    elapsed = time.monotonic() - started
+    busy = {pid: (_cpu_s(pid) - cpu) / elapsed for pid, cpu in before.items()}
+    # Heartbeats and NIXL's own progress calls cost a few percent; a spinning loop ~100 %.
+    assert max(busy.values()) < 0.25, busy
