@@ -363,6 +363,10 @@ class KVPool:
                 lease, None, f"write [{start}, {end}) outside capacity {lease.capacity_tokens}"
             )
         first, last = start // lease.page_tokens, pages_for(end, lease.page_tokens)
+        if last - first == 1:  # a decode step's one token: a scalar compare (~0.3 us, not ~2)
+            if self._page_epoch[lease.page_array[first]] != lease.epoch:
+                self._check_pages(lease, first, last, shared_ok=False)
+            return
         pages = lease.page_array[first:last]
         if pages.size and not (self._page_epoch[pages] == lease.epoch).all():
             self._check_pages(lease, first, last, shared_ok=False)

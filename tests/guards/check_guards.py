@@ -131,6 +131,13 @@ MUTATIONS = [
              "        epochs = self._page_epoch[pages]\n        ok = epochs == lease.epoch",
              "        epochs = self._page_epoch[pages]\n        ok = epochs == epochs",
              ("tests/kvstore",)),
+    Mutation("lease-write-check", "pool write check of a decode step's one token: the page "
+             "carries the lease's epoch (I2)",
+             "kvstore/pool.py",
+             "            if self._page_epoch[lease.page_array[first]] != lease.epoch:\n"
+             "                self._check_pages(lease, first, last, shared_ok=False)\n",
+             "",
+             ("tests/kvstore",)),
     # Prefill's Release and the gateway's Abort both free decode at once: remove both.
     Mutation("release-on-reject", "a rejection on one side frees the other at once (I6)",
              "services/prefill/service.py",
