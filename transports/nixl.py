@@ -25,10 +25,19 @@ write it posted into that region has completed (or failed); a sender that never 
 deregistered still lands (`UCX_TLS=tcp`), so deregistering is no fence.
 
 Link set-up, before the first frame (bounded like a header): the sender sends
-`PDNXHI01`, its agent name (u16 length + bytes); the receiver answers `PDNXOK01`, its
-partial NIXL metadata for the region (u32 length + bytes), the region's address and length
-(u64 each) and a 16-byte release token, or `PDNXNO01` + a reason when it has no region to
-lend (`max_staging` regions exist and none is free). Everything else (frames, replies,
+`PDNXHI02`, its agent name (u16 length + bytes); the receiver answers `PDNXCH01` and an
+8-byte nonce; the sender answers with a *link proof*: an ACK-kind header (`aux` -2) for the
+reservation it is about to send, the nonce in its `payload_checksum`, MACed under that
+reservation's key. The receiver checks it against its live expectations (`ReceiveTable.
+vouch`): only then does it answer `PDNXOK01`, its partial NIXL metadata for the region (u32
+length + bytes), the region's address and length (u64 each) and a 16-byte release token,
+or `PDNXNO01` + a reason when it has no region to lend (`max_staging` regions exist and
+none is free). A proof that fails is answered `PDNXNR01` + the reason (u16:
+UNAUTHENTICATED, UNKNOWN_RESERVATION or why it ended, BAD_HEADER for a wrong nonce) + a
+detail, and the link ends: whoever cannot prove a live reservation's key never learns where
+a region is nor gets the metadata to WRITE into it (a write cannot be refused, and XXH3
+page checksums are not collision-resistant, so a region's holder must be a proven sender).
+A pooled link keeps its region for later reservations. Everything else (frames, replies,
 framing, receive table, idle-link pool, fault hook) is the TCP transport's.
 """
 
@@ -50,9 +59,16 @@ import numpy as np
 
 from ._sock import RawSocket, StalledError
 from .base import EventCallback
-from .core import Cut, Frame, FrameFilter
+from .core import Cut, Frame, FrameFilter, reason_of
 from .errors import FrameError, Reason, TransferError
-from .framing import FrameHeader, Kind, decode_header, encode_header
+from .framing import (
+    HEADER_SIZE,
+    FrameHeader,
+    Kind,
+    decode_header,
+    encode_header,
+    reservation_bytes,
+)
 from .receiver import Slot
 from .tcp import TcpTransport
 
@@ -74,9 +90,12 @@ else:
         if isinstance(_handler, logging.StreamHandler) and _handler.stream is sys.stdout:
             _handler.setStream(sys.stderr)
 
-_HELLO = b"PDNXHI01"
+_HELLO = b"PDNXHI02"
+_CHALLENGE = b"PDNXCH01"  # + 8-byte nonce: prove you hold a live reservation's key
+_REFUSED = b"PDNXNR01"  # + u16 reason + u16 length + detail: the proof did not hold
 _OK = b"PDNXOK01"
 _NO = b"PDNXNO01"
+HELLO_AUX = -2  # `aux` of a link proof (an ACK-kind header, never a receiver's frame)
 _TOKEN = struct.Struct("<4sI")  # b"NXLD", page index: the page's bytes are in staging
 _TOKEN_MAGIC = b"NXLD"
 _RELEASE = b"pdmesh-nixl-release:"
@@ -166,6 +185,7 @@ class NixlTransport(TcpTransport):
         self._regions = 0
         self._out: dict[RawSocket, _Outbound] = {}  # outbound link -> its staging
         self._busy_until = 0.0  # progress NIXL often until then (monotonic)
+        self._proving: dict[str, tuple[int, bytes]] = {}  # rid -> (epoch, key) of a send
 
     @property
     def staging_retired(self) -> int:
@@ -239,7 +259,10 @@ class NixlTransport(TcpTransport):
                 region.released = True
 
     async def _greet(self, conn: RawSocket) -> None:
-        """The link's set-up (receiver side): lend it a staging region."""
+        """The link's set-up (receiver side): the sender proves it holds the key of a live
+        reservation (a header MACed under it, over our nonce), then it is lent a staging
+        region. Nobody else learns where the region is or gets its NIXL metadata: a
+        one-sided write cannot be refused, so only a proven sender may ever hold them."""
         head = bytearray(len(_HELLO) + 2)
         await conn.recv_exact(memoryview(head), None)
         if bytes(head[:len(_HELLO)]) != _HELLO:
@@ -247,6 +270,26 @@ class NixlTransport(TcpTransport):
         (size,) = struct.unpack_from("<H", head, len(_HELLO))
         name = bytearray(size)
         await conn.recv_exact(memoryview(name), self.progress_timeout_s)
+        nonce = secrets.token_bytes(8)
+        await conn.send_all([_CHALLENGE, nonce], self.progress_timeout_s)
+        proof = bytearray(HEADER_SIZE)
+        await conn.recv_exact(memoryview(proof), self.progress_timeout_s)
+        try:
+            h = decode_header(proof)
+        except FrameError as exc:
+            h, reason, detail = None, Reason.BAD_HEADER, f"link proof: {exc.detail}"
+        if h is not None:
+            if (h.kind is not Kind.ACK or h.aux != HELLO_AUX
+                    or h.payload_checksum != int.from_bytes(nonce, "little")):
+                reason, detail = Reason.BAD_HEADER, "not a link proof for this challenge"
+            else:
+                reason, detail = self._table.vouch(h)
+        if reason is not Reason.OK:
+            self.stats.frames_rejected[reason] += 1
+            data = detail.encode()[:1024]
+            await conn.send_all([_REFUSED, struct.pack("<HH", int(reason), len(data)), data],
+                                self.progress_timeout_s)
+            raise ConnectionRefusedError(f"nixl link refused: {reason.name}: {detail}")
         self._busy()
         try:
             region = self._lend(name.decode(errors="replace"))
@@ -323,7 +366,8 @@ class NixlTransport(TcpTransport):
         conn = await super()._open(address, rid)
         try:
             # Bounded as a whole, like UCX's connect (a frozen receiver fails the send).
-            out = await asyncio.wait_for(self._hello(conn), max(2 * self.progress_timeout_s, 1.5))
+            out = await asyncio.wait_for(self._hello(conn, rid),
+                                         max(2 * self.progress_timeout_s, 1.5))
         except TransferError:
             conn.close()
             raise
@@ -334,13 +378,37 @@ class NixlTransport(TcpTransport):
         self._out[conn] = out
         return conn
 
-    async def _hello(self, conn: RawSocket) -> _Outbound:
+    async def send(self, address: str, plan, page_buffers, ready=None):
+        # The link set-up of this send (if it opens a link) proves the plan's key.
+        self._proving[plan.reservation_id] = (plan.epoch, plan.key)
+        try:
+            return await super().send(address, plan, page_buffers, ready)
+        finally:
+            self._proving.pop(plan.reservation_id, None)
+
+    async def _hello(self, conn: RawSocket, rid: str) -> _Outbound:
         """The link's set-up (sender side; the caller bounds it as a whole)."""
         self._busy()
         name = self.name.encode()
         await conn.send_all([_HELLO, struct.pack("<H", len(name)), name], None)
         head = bytearray(len(_OK))
         await conn.recv_exact(memoryview(head), None)
+        if bytes(head) == _CHALLENGE:
+            nonce = bytearray(8)
+            await conn.recv_exact(memoryview(nonce), None)
+            epoch, key = self._proving.get(rid, (0, b""))
+            await conn.send_all([encode_header(
+                Kind.ACK, reservation_bytes(rid), epoch, aux=HELLO_AUX,
+                payload_checksum=int.from_bytes(nonce, "little"), key=key)], None)
+            await conn.recv_exact(memoryview(head), None)
+        if bytes(head) == _REFUSED:
+            code = bytearray(4)
+            await conn.recv_exact(memoryview(code), None)
+            reason, size = struct.unpack("<HH", code)
+            detail = bytearray(size)
+            await conn.recv_exact(memoryview(detail), None)
+            raise TransferError(rid, reason_of(reason),
+                                f"nixl link refused: {detail.decode(errors='replace')}")
         if bytes(head) == _NO:
             size = bytearray(2)
             await conn.recv_exact(memoryview(size), None)

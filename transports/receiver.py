@@ -133,6 +133,19 @@ class ReceiveTable:
         if slot is not None and not mac_ok(h, slot.target.key):
             raise AuthError(f"{h.kind.name} frame {h.seq}: MAC does not verify")
 
+    def vouch(self, h: FrameHeader) -> tuple[Reason, str]:
+        """Whether `h` proves that its sender holds the key of a live reservation: what a
+        link set-up that lends the peer something (nixl's staging region) asks before any
+        frame. OK; the reason a known reservation ended, or UNKNOWN_RESERVATION; or
+        UNAUTHENTICATED (the MAC does not verify under the reservation's key)."""
+        slot = self._slots.get(h.reservation)
+        if slot is None:
+            return (self._finished.get(h.reservation, Reason.UNKNOWN_RESERVATION),
+                    "no live expectation for this reservation")
+        if not mac_ok(h, slot.target.key):
+            return Reason.UNAUTHENTICATED, "link proof: MAC does not verify"
+        return Reason.OK, ""
+
     def check_data(self, h: FrameHeader, conn_id: int) -> tuple[Slot | None, bytes | None]:
         slot = self._slots.get(h.reservation)
         if slot is None:

@@ -330,6 +330,13 @@ MUTATIONS = [
              "        if True:\n            self._free.append(region)",
              ("tests/transports/test_nixl.py::"
               "test_a_region_is_lent_again_only_after_its_senders_release",)),
+    Mutation("nixl-link-proof", "nixl: a staging region (and its NIXL metadata) is lent only "
+             "to a sender that proves it holds a live reservation's key",
+             "transports/nixl.py",
+             "                reason, detail = self._table.vouch(h)",
+             '                reason, detail = Reason.OK, ""',
+             ("tests/transports/test_nixl.py::"
+              "test_a_peer_without_a_live_reservations_key_gets_no_staging_region",)),
     Mutation("ucx-service-futures", "service processes run ucxx with its futures (an idle "
              "worker's posted UCX receive is not polled by the event loop)",
              "transports/__init__.py",

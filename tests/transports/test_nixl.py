@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import struct
+import uuid
 
 import numpy as np
 import pytest
@@ -19,8 +21,11 @@ from conftest import PROGRESS_S
 from transport_cases import make_case
 
 from pdmesh.transports import Reason, TransferError, make_transport
+from pdmesh.transports.framing import Kind, encode_header, reservation_bytes
 
 pytest.importorskip("nixl_cu12", reason="nixl_cu12 is not importable (pip install 'pdmesh[nixl]')")
+
+from pdmesh.transports import nixl
 
 pytestmark = pytest.mark.nixl
 PAGE = 64 << 10
@@ -165,3 +170,62 @@ async def test_tcp_and_nixl_peers_refuse_each_other_cleanly():
             await fut  # ... and the receiver still serves nixl senders
     finally:
         await tcp.close()
+
+
+async def _raw_hello(address: str, proof) -> tuple[bytes, bytes]:
+    """Speak the nixl link set-up by hand: hello, read the challenge, send `proof(nonce)`;
+    returns the receiver's answer (8-byte tag) and whatever followed it."""
+    host, port = address.removeprefix("nixl://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        name = b"intruder"
+        writer.write(nixl._HELLO + struct.pack("<H", len(name)) + name)
+        await writer.drain()
+        tag = await asyncio.wait_for(reader.readexactly(8), 3)
+        assert tag == b"PDNXCH01", tag
+        nonce = await reader.readexactly(8)
+        writer.write(proof(int.from_bytes(nonce, "little")))
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readexactly(8), 3)
+        rest = await asyncio.wait_for(reader.read(4096), 3)
+        return answer, rest
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("forgery", ["wrong_key", "unknown_reservation", "replayed_nonce"])
+async def test_a_peer_without_a_live_reservations_key_gets_no_staging_region(forgery):
+    """The staging region's address and NIXL metadata let their holder WRITE into the
+    receiver's memory, and a one-sided write cannot be refused: only a sender that proves
+    it holds the key of a live reservation (a header MACed under it, over the receiver's
+    fresh nonce) is lent one. Anyone else who reaches the port is refused with the reason,
+    learns nothing, and takes no region (not lent, not retired)."""
+    async with _nixl() as (receiver, sender, address):
+        src, _, target, plan = make_case(page_bytes=PAGE)
+        fut = receiver.expect(target)
+        rid = reservation_bytes(plan.reservation_id)
+
+        def proof(nonce: int) -> bytes:
+            if forgery == "wrong_key":
+                return encode_header(Kind.ACK, rid, plan.epoch, aux=nixl.HELLO_AUX,
+                                     payload_checksum=nonce, key=b"\x00" * 32)
+            if forgery == "unknown_reservation":
+                return encode_header(Kind.ACK, uuid.uuid4().bytes, plan.epoch,
+                                     aux=nixl.HELLO_AUX, payload_checksum=nonce, key=plan.key)
+            # A proof sniffed from another link set-up: right key, someone else's nonce.
+            return encode_header(Kind.ACK, rid, plan.epoch, aux=nixl.HELLO_AUX,
+                                 payload_checksum=nonce ^ 1, key=plan.key)
+
+        answer, rest = await _raw_hello(address, proof)
+        assert answer == b"PDNXNR01", (answer, rest)
+        (code, _), detail = struct.unpack_from("<HH", rest), rest[4:]
+        expected = {"wrong_key": Reason.UNAUTHENTICATED,
+                    "unknown_reservation": Reason.UNKNOWN_RESERVATION,
+                    "replayed_nonce": Reason.BAD_HEADER}[forgery]
+        assert Reason(code) is expected, detail
+        await asyncio.sleep(0.05)
+        assert not receiver._lent and not receiver._free and receiver.staging_retired == 0
+        assert receiver.stats.frames_rejected[expected] >= 1
+        assert not fut.done()  # the live reservation is untouched ...
+        await sender.send(address, plan, src.views())
+        await fut  # ... and its rightful sender is served
