@@ -380,10 +380,7 @@ class TransportCore(abc.ABC):
         if h.aux > self.receive_window:
             raise FrameError(f"run of {h.aux} pages, at most {self.receive_window}")
         run, checked = [h], [self._table.check_data(h, conn_id)]
-        for _ in range(h.aux - 1):
-            header = await self._recv_header(link, progress)
-            if header is None:
-                raise EOFError("stream ended inside a run of pages")
+        for header in await self._recv_run_headers(link, h.aux - 1, progress):
             x = decode_header(header)
             self._table.authenticate(x)
             if x.kind is not Kind.DATA or x.aux != 0:
@@ -402,6 +399,16 @@ class TransportCore(abc.ABC):
             return nack, paused
         pending.append(await self._recv_run(link, slot, run))
         return await self._settle(link, pending, self.receive_window), paused
+
+    async def _recv_run_headers(self, link: Any, n: int, progress: float) -> list[bytes]:
+        """The `n` headers that follow a run's first one (each checked by the caller)."""
+        headers = []
+        for _ in range(n):
+            header = await self._recv_header(link, progress)
+            if header is None:
+                raise EOFError("stream ended inside a run of pages")
+            headers.append(header)
+        return headers
 
     def _check_drain(self, h: FrameHeader, length: int) -> None:
         """For transports that allocate what they drain (UCX): a rejected payload is drained

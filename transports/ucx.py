@@ -8,8 +8,9 @@ pipelines outstanding requests) and the receiver keeps up to `receive_window` pa
 receives posted while it reads the next headers; each page is checksummed when it has
 landed, and the commit is checked only after every page landed. Pages that lie back to
 back in the sender's memory, for consecutive destination page ids, go as one message of up
-to 16 MiB: the run's first DATA header carries its length in `aux`, the receiver checks
-every header of the run (core.py `_serve_run`) and posts one receive, straight into the
+to 16 MiB: the run's first DATA header carries its length in `aux`, the run's other headers
+follow as one message, the receiver checks every header of the run (core.py `_serve_run`)
+and posts one receive, straight into the
 pages when they are adjacent in its memory, else into a buffer it copies from while the
 slot is live. Faults injected through the frame hook go one message per frame.
 
@@ -254,6 +255,12 @@ class UcxTransport(TransportCore):
         # the receive is posted, and from now on it counts as an unstoppable write.
         return self._post_landing(ep, slot, [h], dest)
 
+    async def _recv_run_headers(self, ep, n: int, progress: float) -> list[bytes]:
+        """The rest of a run's headers come as one message (one receive instead of n:
+        each receive costs a hand-off from UCX's progress thread to the event loop)."""
+        data = await self._recv_bytes(ep, n * HEADER_SIZE, progress)
+        return [data[i:i + HEADER_SIZE] for i in range(0, len(data), HEADER_SIZE)]
+
     async def _recv_run(self, ep, slot: Slot, run: list[FrameHeader]):
         """One posted receive for a checked run of pages: straight into the pages when they
         are adjacent in memory, else into a buffer copied into them once it landed (while
@@ -380,9 +387,10 @@ class UcxTransport(TransportCore):
         posted = []
         for run in _runs(frames):
             headers = [f.header for f in run]
-            if len(run) > 1:  # the first header announces the run (`aux`)
+            if len(run) > 1:  # the first header announces the run (`aux`) ...
                 first = decode_header(headers[0])._replace(aux=len(run))
-                headers[0] = encode_header(**first._asdict(), key=run[0].key)
+                headers = [encode_header(**first._asdict(), key=run[0].key),
+                           b"".join(headers[1:])]  # ... the others follow as one message
                 payloads = [_span([f.payload for f in run])]
             else:
                 payloads = [run[0].payload] if len(run[0].payload) else []
