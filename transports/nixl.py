@@ -54,11 +54,12 @@ import struct
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 
 import numpy as np
 
 from ._sock import RawSocket, StalledError
-from .base import EventCallback
+from .base import EventCallback, PagesReady, TransferAck, TransferPlan
 from .core import Cut, Frame, FrameFilter, reason_of
 from .errors import FrameError, Reason, TransferError
 from .framing import (
@@ -378,7 +379,8 @@ class NixlTransport(TcpTransport):
         self._out[conn] = out
         return conn
 
-    async def send(self, address: str, plan, page_buffers, ready=None):
+    async def send(self, address: str, plan: TransferPlan, page_buffers: Sequence[memoryview],
+                   ready: PagesReady | None = None) -> TransferAck:
         # The link set-up of this send (if it opens a link) proves the plan's key.
         self._proving[plan.reservation_id] = (plan.epoch, plan.key)
         try:
