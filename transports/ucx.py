@@ -125,13 +125,12 @@ def _runs(frames: Iterable[Frame]) -> Iterator[list[Frame]]:
     is yielded as soon as the next frame (or the end) closes it, so the sender posts it
     while the frames after it are still being built (checksummed)."""
     run: list[Frame] = []
-    end = -1
+    end = last_dest = -1  # where the last DATA frame's payload ends, and its page id
     run_bytes = 0
     for frame in frames:
         h = decode_header(frame.header) if len(frame.payload) else None
         if (h is not None and run and len(run) < _RUN_PAGES
-                and len(run[-1].payload) and _address(frame.payload) == end
-                and h.dest_page_id == decode_header(run[-1].header).dest_page_id + 1
+                and _address(frame.payload) == end and h.dest_page_id == last_dest + 1
                 and run_bytes + len(frame.payload) <= _RUN_BYTES):
             run.append(frame)
             run_bytes += len(frame.payload)
@@ -139,7 +138,10 @@ def _runs(frames: Iterable[Frame]) -> Iterator[list[Frame]]:
             if run:
                 yield run
             run, run_bytes = [frame], len(frame.payload)
-        end = _address(frame.payload) + len(frame.payload) if h is not None else -1
+        if h is None:
+            end = last_dest = -1
+        else:
+            end, last_dest = _address(frame.payload) + len(frame.payload), h.dest_page_id
     if run:
         yield run
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pdmesh.services import messages as m
-from pdmesh.services.config import DEV_MESH_SECRET, resolve
+from pdmesh.services.config import resolve
 from pdmesh.services.decode.service import DecodeService
-from pdmesh.services.tickets import sign
+from tests.unit.decode_reserve import reserve as reserve_on
 
 STALL_S = 20.0
 
@@ -33,12 +33,7 @@ def decode(monkeypatch: pytest.MonkeyPatch) -> DecodeService:
 
 
 def reserve(svc: DecodeService, rid: str) -> str:
-    ticket = sign(DEV_MESH_SECRET, request_id=rid, tenant="t", cache_salt="s", prompt_len=40,
-                  max_tokens=4, prefill_worker="prefill-l", decode_worker=svc.cfg.worker_id,
-                  ttl_s=30)
-    reply = svc.reserve(m.ReserveRequest(ticket=ticket))
-    assert isinstance(reply, m.Reserved), reply
-    return reply.reservation.reservation_id
+    return reserve_on(svc, rid, prompt_len=40, prefill_worker="prefill-l")
 
 
 def age(svc: DecodeService, seconds: float) -> None:

@@ -12,9 +12,9 @@ import nats.errors
 import pytest
 
 from pdmesh.services import messages as m
-from pdmesh.services.config import DEV_MESH_SECRET, resolve
+from pdmesh.services.config import resolve
 from pdmesh.services.decode.service import DecodeService
-from pdmesh.services.tickets import sign
+from tests.unit.decode_reserve import reserve
 
 
 @pytest.fixture
@@ -25,14 +25,6 @@ def decode() -> DecodeService:
 
 async def failing_publish(*_args: object, **_kwargs: object) -> None:
     raise nats.errors.OutboundBufferLimitError()
-
-
-def reserve(svc: DecodeService, rid: str) -> None:
-    ticket = sign(DEV_MESH_SECRET, request_id=rid, tenant="t", cache_salt="s", prompt_len=20,
-                  max_tokens=4, prefill_worker="p", decode_worker=svc.cfg.worker_id,
-                  ttl_s=30)
-    reply = svc.reserve(m.ReserveRequest(ticket=ticket))
-    assert isinstance(reply, m.Reserved), reply
 
 
 async def test_an_abort_frees_the_lease_even_when_publishing_fails(
