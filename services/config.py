@@ -113,6 +113,13 @@ SETTINGS: tuple[Setting, ...] = (
             "(a connect, a header, a page landing, the receiver's reply) before its peer "
             "counts as lost (PEER_LOST, leases freed). UCX does not report a frozen peer by "
             "itself. Between prefill chunks a streamed transfer is paused, not idle."),
+    Setting("ucx_error_mode", "--ucx-error-mode", "PDMESH_UCX_ERROR_MODE", str, "auto",
+            "KV data plane, ucx: error handling of the endpoint a sender posts its frames on. "
+            "`none` lets UCX use shared memory between processes on one host (an endpoint "
+            "with peer error handling gets no shared-memory lane); `peer` keeps UCX's peer "
+            "error handling; `auto`: `none` when every transport UCX may use is tcp, shared "
+            "memory or self, else `peer` (on InfiniBand an unhandled peer error can abort "
+            "the process). transports/README.md.", ("auto", "peer", "none")),
     Setting("prefill_max_active", "--prefill-max-active", "PDMESH_PREFILL_MAX_ACTIVE", int, 4,
             "Prefill: prompts computed at once, taking turns one chunk each (a short prompt "
             "behind a long one is not held up by all of it); each holds its lease."),
@@ -182,6 +189,7 @@ class ServiceConfig:
     reserve_timeout_s: float
     transfer_deadline_s: float
     transfer_progress_s: float
+    ucx_error_mode: str
     prefill_max_active: int
     prefill_stall_s: float
     ticket_ttl_s: float

@@ -205,7 +205,8 @@ def prefill_wiring(cfg: ServiceConfig) -> tuple[KVTransport | None, Any]:
     if not enabled(cfg):
         return None, accept_dispatch
     inner = make_service_transport(cfg.transport, cfg.data_host, cfg.data_port, faults=True,
-                                   progress_timeout_s=cfg.transfer_progress_s)
+                                   progress_timeout_s=cfg.transfer_progress_s,
+                                   ucx_error_mode=cfg.ucx_error_mode)
     assert isinstance(inner, FaultInjectingTransport)
     sender = FaultySender(inner)
     return sender, FaultIntake(sender)  # type: ignore[return-value]

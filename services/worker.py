@@ -37,7 +37,8 @@ T = TypeVar("T")
 
 def make_worker_transport(cfg: ServiceConfig) -> KVTransport:
     return make_service_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port,
-                                  progress_timeout_s=cfg.transfer_progress_s)
+                                  progress_timeout_s=cfg.transfer_progress_s,
+                                  ucx_error_mode=cfg.ucx_error_mode)
 
 
 class WorkerBase:

@@ -65,17 +65,21 @@ def make_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *,
 
 
 def make_service_transport(kind: str, host: str, port: int, *, progress_timeout_s: float,
-                           faults: bool = False) -> KVTransport:
+                           faults: bool = False, ucx_error_mode: str = "auto") -> KVTransport:
     """The transport of a service process (one event loop for the life of the process). For
     ucx that means ucxx's Python futures (`UCXPY_ENABLE_PYTHON_FUTURE=1` unless the
     environment says otherwise): without them every outstanding UCX request is polled by
     the event loop (`wait_yield`, an `asyncio.sleep(0)` loop), and a decode worker's idle
     pooled link, whose header receive stays posted, kept a core busy for as long as the
     worker ran (measured: 1.0 CPU-s per second, idle, after three requests; 0.03 with
-    futures). Pair with `stop_ucx_notifier()` when the process's transports have closed."""
+    futures). Pair with `stop_ucx_notifier()` when the process's transports have closed.
+    `ucx_error_mode`: `--ucx-error-mode` (ucx only; transports/ucx.py `data_error_mode`)."""
+    options: dict = {}
     if kind == "ucx":
         os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
-    return make_transport(kind, host, port, faults=faults, progress_timeout_s=progress_timeout_s)
+        options["error_mode"] = ucx_error_mode
+    return make_transport(kind, host, port, faults=faults, progress_timeout_s=progress_timeout_s,
+                          **options)
 
 
 def stop_ucx_notifier() -> None:

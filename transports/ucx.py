@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import struct
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -43,6 +44,52 @@ from .receiver import Slot
 
 _RUN_BYTES = 16 << 20  # the most payload bytes one coalesced message carries
 _RUN_PAGES = 64
+
+# A receiver announces its UCX worker address on every accepted link (magic + length, then
+# the address); a sender in error mode "none" sends its frames on an endpoint to that
+# address. Anything else, or an address over _ADDRESS_MAX bytes, is a lost peer.
+_ANNOUNCE = struct.Struct("<4sI")
+_ANNOUNCE_MAGIC = b"PDWA"
+_ADDRESS_MAX = 64 << 10
+
+ERROR_MODE_ENV = "PDMESH_UCX_ERROR_MODE"
+# UCX transports whose peer failures surface as an error or a stall (which our progress
+# timeout ends) when an endpoint has no peer error handling; measured here by killing either
+# side mid-transfer (tcp, and posix/sysv/cma). On InfiniBand verbs an unhandled peer error
+# can abort the process (openucx/ucx#9515), so any other transport keeps "peer".
+_NO_ERRH_SAFE = frozenset({"tcp", "posix", "sysv", "cma", "knem", "xpmem", "self"})
+
+
+def error_mode_setting(mode: str | None = None) -> str:
+    """`mode`, else `PDMESH_UCX_ERROR_MODE`, checked: "auto" (the default), "peer" or
+    "none" (services pass `--ucx-error-mode`, services/config.py)."""
+    if mode is None:
+        mode = (os.environ.get(ERROR_MODE_ENV) or "auto").strip().lower()
+    if mode not in ("auto", "peer", "none"):
+        raise ValueError(f"{ERROR_MODE_ENV}={mode!r}: expected auto, peer or none")
+    return mode
+
+
+def data_error_mode(setting: str = "auto", active: Iterable[str] | None = None) -> str:
+    """The error handling of the endpoint a sender posts its frames on: "peer" or "none".
+
+    `PDMESH_UCX_ERROR_MODE` (`setting`): `peer` (UCX reports a lost peer on the endpoint;
+    UCX then uses no shared-memory lane between two processes, so on one host the bytes go
+    over tcp/lo), `none` (shared memory and CMA between processes on one host: measured 1.2
+    -> 12 GB/s for a bare 64 MiB ucxx send; a lost peer shows as an error or a stall that
+    the progress timeout ends), or `auto` (the default): `none` when every transport UCX
+    may use (`active`, default ucxx's active transports, which follow `UCX_TLS`) is one of
+    tcp / shared memory / self, else `peer`. Resolving `auto` creates ucxx's context: call
+    it inside the event loop that will run the transport (ucxx binds its futures to it).
+    Links always have peer error handling on their listener endpoint, which carries the
+    receiver's replies and reports a lost sender to the receiver. transports/README.md."""
+    if setting != "auto":
+        return setting
+    if active is None:
+        active = ucx.get_active_transports() if hasattr(ucx, "get_active_transports") else ()
+    active = set(active)
+    return "none" if active and active <= _NO_ERRH_SAFE else "peer"
+
 
 # UCX's TCP transport (the one an endpoint with peer error handling gets between two
 # processes on a host, and between hosts without RDMA) moves data in 8 KiB send / 64 KiB
@@ -82,6 +129,33 @@ def stop_notifier() -> None:
     process's last UCX transport has closed; a no-op when ucxx never started."""
     if ucx is not None and hasattr(ucx, "stop_notifier_thread"):
         ucx.stop_notifier_thread()
+
+
+async def announce_worker(ep, timeout_s: float) -> None:
+    """Receiver side of a new link: send this worker's UCX address (magic + length, then
+    the address) on the listener endpoint `ep`."""
+    address = bytes(ucx.get_worker_address())
+    await timed(ep.send(_np(_ANNOUNCE.pack(_ANNOUNCE_MAGIC, len(address)))), timeout_s)
+    await timed(ep.send(_np(address)), timeout_s)
+
+
+async def sending_endpoint(ep, mode: str, timeout_s: float):
+    """Sender side of a new link `ep`: read the receiver's announced worker address and, in
+    error mode "none", return a new endpoint to it without peer error handling (post
+    every message to the receiver on it, with `ep`'s tag); in mode "peer", None (send on
+    `ep`). Raises ValueError on a malformed announcement."""
+    head = np.empty(_ANNOUNCE.size, np.uint8)
+    await timed(ep.recv(head), timeout_s)
+    magic, n = _ANNOUNCE.unpack(head.tobytes())
+    if magic != _ANNOUNCE_MAGIC or not 0 < n <= _ADDRESS_MAX:
+        raise ValueError(f"bad worker address announcement {magic!r} ({n} bytes)")
+    worker = np.empty(n, np.uint8)
+    await timed(ep.recv(worker), timeout_s)
+    if mode != "none":
+        return None
+    return await timed(ucx.create_endpoint_from_worker_address(
+        ucx.get_ucx_address_from_buffer(worker.tobytes()), endpoint_error_handling=False),
+        timeout_s)
 
 
 def _np(buf) -> np.ndarray:
@@ -152,9 +226,10 @@ def _posting(ep) -> bool:
     return Array is not None and getattr(ep, "_ep", None) is not None
 
 
-def _post_send(ep, buf):
-    """Post a tagged send on the endpoint's message tag now; returns the request."""
-    return ep._ep.tag_send(Array(buf), Tag(ep._tags["msg_send"]))
+def _post_send_on(tx, ep, buf):
+    """Post a tagged send of `buf` on endpoint `tx` with link `ep`'s message tag (tag
+    matching is per UCX worker: the receiver's receives posted on `ep` match it)."""
+    return tx._ep.tag_send(Array(buf), Tag(ep._tags["msg_send"]))
 
 
 def _post_recv(ep, buf):
@@ -182,6 +257,7 @@ class UcxTransport(TransportCore):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  progress_timeout_s: float = 0.75, quarantine_s: float = 5.0,
+                 error_mode: str | None = None,
                  on_event: EventCallback | None = None,
                  frame_filter: FrameFilter | None = None) -> None:
         if ucx is None:
@@ -194,6 +270,12 @@ class UcxTransport(TransportCore):
         # A header receive kept posted across `_recv_header(idle=True)` calls, by endpoint
         # (a posted UCX receive cannot be taken back: a new one would miss the message).
         self._headers: dict[int, asyncio.Task] = {}
+        # Outbound links in error mode "none": the endpoint (to the receiver's worker
+        # address, no peer error handling) every sender->receiver message goes on, so they
+        # stay in order; by the listener endpoint's id.
+        self._tx_eps: dict[int, object] = {}
+        # "auto" is resolved at the first connect (it needs ucxx's context, in the loop).
+        self.error_mode = error_mode_setting(error_mode)
 
     async def start(self) -> str:
         if self._listener is None:
@@ -207,6 +289,9 @@ class UcxTransport(TransportCore):
 
     def _discard(self, ep) -> None:
         _abort(ep)
+        tx = self._tx_eps.pop(id(ep), None)
+        if tx is not None:
+            _abort(tx)
         self._tail.pop(id(ep), None)
         self._headers.pop(id(ep), None)  # ends with the endpoint (close() awaits it)
 
@@ -215,7 +300,21 @@ class UcxTransport(TransportCore):
         if self._closed:
             _abort(ep)
             return None
-        return self._spawn(self._serve_link(ep))
+        return self._spawn(self._accept(ep))
+
+    async def _accept(self, ep) -> None:
+        """Announce this worker's UCX address (the sender may send its frames to it on an
+        endpoint without peer error handling, see `data_error_mode`), then serve the link."""
+        if _posting(ep):
+            try:
+                await announce_worker(ep, self.progress_timeout_s)
+            except asyncio.CancelledError:
+                _abort(ep)
+                raise
+            except Exception:  # noqa: BLE001 - the sender left: nothing to serve
+                _abort(ep)
+                return
+        await self._serve_link(ep)
 
     async def _recv_header(self, ep, progress_s: float | None, idle: bool = False) -> bytes:
         posted = self._headers.get(id(ep))
@@ -344,10 +443,11 @@ class UcxTransport(TransportCore):
         return await asyncio.shield(landing)  # bounded by the landing itself
 
     async def _send_reply(self, ep, frame: bytes) -> None:
-        """A reply frame: header message, then its payload message if any."""
-        await timed(ep.send(_np(frame[:HEADER_SIZE])), self.progress_timeout_s)
-        if len(frame) > HEADER_SIZE:
-            await timed(ep.send(_np(frame[HEADER_SIZE:])), self.progress_timeout_s)
+        """A reply frame (or a sender's abort NACK): header message, then its payload
+        message if any."""
+        for part in (frame[:HEADER_SIZE], frame[HEADER_SIZE:]):
+            if len(part):
+                await self._send_message(ep, part)
 
     # -- sender ------------------------------------------------------------------------
     async def _open(self, address: str, rid: str):
@@ -355,13 +455,27 @@ class UcxTransport(TransportCore):
             host, port = parse_address(address, self.scheme)
         except ValueError as exc:
             raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
+        # A first loopback connect on a loaded 2-core machine measured ~1 s.
+        connect_s = max(self.progress_timeout_s, 1.5)
         try:
-            # A first loopback connect on a loaded 2-core machine measured ~1 s.
-            return await timed(ucx.create_endpoint(host, port),
-                               max(self.progress_timeout_s, 1.5))
+            ep = await timed(ucx.create_endpoint(host, port), connect_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - ucxx raises many kinds; all mean peer lost
+            raise TransferError(rid, Reason.PEER_LOST, f"connect {address}: {exc!r}") from None
+        if not _posting(ep):
+            return ep
+        try:
+            if self.error_mode == "auto":
+                self.error_mode = data_error_mode()
+            tx = await sending_endpoint(ep, self.error_mode, connect_s)
+            if tx is not None:
+                self._tx_eps[id(ep)] = tx
+            return ep
+        except BaseException as exc:
+            self._discard(ep)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise TransferError(rid, Reason.PEER_LOST, f"connect {address}: {exc!r}") from None
 
     async def _recv_bytes(self, ep, n: int, progress_s: float | None) -> bytes:
@@ -387,6 +501,7 @@ class UcxTransport(TransportCore):
             await self._emit(ep, frames, reply)
             return
         posted = []
+        tx = self._tx_eps.get(id(ep), ep)
         for run in _runs(frames):
             headers = [f.header for f in run]
             if len(run) > 1:  # the first header announces the run (`aux`) ...
@@ -398,7 +513,7 @@ class UcxTransport(TransportCore):
                 payloads = [run[0].payload] if len(run[0].payload) else []
             for buf in (*headers, *payloads):
                 array = _np(buf)
-                posted.append((array, _post_send(ep, array)))
+                posted.append((array, _post_send_on(tx, ep, array)))
             self.stats.frames_sent += len(run)
         for array, req in posted:
             await timed(req.wait(), self.progress_timeout_s)
@@ -407,5 +522,14 @@ class UcxTransport(TransportCore):
     async def _send_buffers(self, ep, buffers) -> None:
         for buf in buffers:
             if len(buf):
-                await timed(ep.send(_np(buf)), self.progress_timeout_s)
+                await self._send_message(ep, buf)
                 self.stats.bytes_sent += len(buf)
+
+    async def _send_message(self, ep, buf) -> None:
+        """One message, on the link's sending endpoint (`_tx_eps`: every message from a
+        sender to a receiver goes on one endpoint, so they arrive in order)."""
+        if _posting(ep):
+            req = _post_send_on(self._tx_eps.get(id(ep), ep), ep, _np(buf))
+            await timed(req.wait(), self.progress_timeout_s)
+        else:
+            await timed(ep.send(_np(buf)), self.progress_timeout_s)

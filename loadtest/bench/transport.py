@@ -111,20 +111,39 @@ async def _raw_tcp_once(payload: np.ndarray, dst: np.ndarray) -> float:
     return seconds
 
 
+async def _raw_send(ep, tx, payload: np.ndarray) -> None:
+    """A bare ucxx send of `payload` on link `ep`, on endpoint `tx` where the transport
+    would use one (error mode "none", `sending_endpoint`): the same lanes as the transport."""
+    if tx is None:
+        await ep.send(payload.reshape(-1))
+    else:
+        await tx.send(payload.reshape(-1), tag=ep._tags["msg_send"], force_tag=True)
+
+
 async def _raw_ucx_once(payload: np.ndarray, dst: np.ndarray, ucx) -> float:
+    from pdmesh.transports.ucx import (
+        announce_worker,
+        data_error_mode,
+        error_mode_setting,
+        sending_endpoint,
+    )
     done: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def on_connect(ep) -> None:
+        await announce_worker(ep, 10.0)
         await ep.recv(dst.reshape(-1))
         done.set_result(None)
         await ep.close()
 
     listener = ucx.create_listener(on_connect, port=0)
     ep = await ucx.create_endpoint("127.0.0.1", listener.port)
+    tx = await sending_endpoint(ep, data_error_mode(error_mode_setting()), 10.0)
     started = time.perf_counter()
-    await ep.send(payload.reshape(-1))
+    await _raw_send(ep, tx, payload)
     await done
     seconds = time.perf_counter() - started
+    if tx is not None:
+        tx.abort()
     await ep.close()
     listener.close()
     return seconds
@@ -189,12 +208,16 @@ async def _peer_raw_once(peer: _Peer, payload: np.ndarray, ucx) -> float:
     """One raw transfer to the peer: bare ucxx when `ucx` is given, else a plain socket."""
     await peer.command(f"raw {payload.nbytes}")
     if ucx is not None:
+        from pdmesh.transports.ucx import data_error_mode, error_mode_setting, sending_endpoint
         ep = await ucx.create_endpoint("127.0.0.1", peer.raw_port)
+        tx = await sending_endpoint(ep, data_error_mode(error_mode_setting()), 10.0)
         ack = np.empty(1, np.uint8)
         started = time.perf_counter()
-        await ep.send(payload.reshape(-1))
+        await _raw_send(ep, tx, payload)
         await ep.recv(ack)
         seconds = time.perf_counter() - started
+        if tx is not None:
+            tx.abort()
         await ep.close()
         return seconds
     loop = asyncio.get_running_loop()
@@ -367,7 +390,11 @@ async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[d
 
 
 async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> dict:
+    ucx_error_mode = ""  # the ucx transport's sending endpoints (transports/ucx.py)
     try:
+        if "ucx" in kinds and _ucx_for("ucx") is not None:
+            from pdmesh.transports.ucx import data_error_mode, error_mode_setting
+            ucx_error_mode = data_error_mode(error_mode_setting())
         results = (await _run_process(kinds, repeat, budget_s) if layout == "process"
                    else await _run_loop(kinds, repeat, budget_s))
     finally:
@@ -379,7 +406,7 @@ async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> d
                                                      / (row["transport_gbps"] * 1e9))
     return {"bench": "transport", "layout": layout, "page_bytes": PAGE_BYTES,
             "checksum": "xxh3_64", "mac": "hmac_sha256_128", "mac_us_per_frame": mac_us,
-            "ucx_tls": os.environ.get("UCX_TLS", ""),
+            "ucx_tls": os.environ.get("UCX_TLS", ""), "ucx_error_mode": ucx_error_mode,
             "ucxpy_progress_mode": os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
             "ucxpy_enable_python_future": os.environ.get("UCXPY_ENABLE_PYTHON_FUTURE", ""),
             "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "results": results}

@@ -44,9 +44,10 @@ async def _serve(kind: str, raw: str) -> None:
     raw_expected: asyncio.Queue[int] = asyncio.Queue()
     pending: set[asyncio.Future] = set()
     if raw == "ucx":
-        from pdmesh.transports.ucx import ucx
+        from pdmesh.transports.ucx import announce_worker, ucx
 
         async def on_connect(ep) -> None:  # ep: a ucxx endpoint
+            await announce_worker(ep, 10.0)  # as the transport's links (error mode)
             nbytes = await raw_expected.get()
             await ep.recv(dst.reshape(-1)[:nbytes])
             await ep.send(np.ones(1, np.uint8))

@@ -344,6 +344,14 @@ MUTATIONS = [
              "        pass",
              ("tests/isolation/test_ucx_mesh.py::"
               "test_idle_workers_do_not_spin_after_transfers[ucx]",)),
+    Mutation("ucx-error-mode", "UCX endpoints without peer error handling only where every "
+             "transport survives a lost peer (on InfiniBand an unhandled error can abort "
+             "the process)",
+             "transports/ucx.py",
+             '    return "none" if active and active <= _NO_ERRH_SAFE else "peer"',
+             '    return "none"',
+             ("tests/transports/test_ucx_error_mode.py::"
+              "test_auto_is_none_only_where_every_ucx_transport_survives_a_lost_peer",)),
 ]
 
 

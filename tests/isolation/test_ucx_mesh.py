@@ -1,4 +1,5 @@
-"""The same data-plane threats on a mesh whose KV moves over UCX (UCXX, UCX_TLS=tcp) or
+"""The same data-plane threats on a mesh whose KV moves over UCX (UCXX: `UCX_TLS=tcp`, and
+unset as `pdmesh up` runs it: shared-memory lanes, `PDMESH_UCX_ERROR_MODE` auto -> none) or
 NIXL (one-sided WRITE over its UCX): it serves the oracle, and a faulty transfer fails only
 its own request."""
 
@@ -17,9 +18,11 @@ from tests.oracle import expected_text
 
 pytestmark = [pytest.mark.slow]
 
+_NO_UCXX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                              reason="ucxx is not importable")
 KINDS = [
-    pytest.param("ucx", marks=[pytest.mark.ucx, pytest.mark.skipif(
-        importlib.util.find_spec("ucxx") is None, reason="ucxx is not importable")]),
+    pytest.param("ucx", marks=[pytest.mark.ucx, _NO_UCXX]),
+    pytest.param("ucx-shm", marks=[pytest.mark.ucx, _NO_UCXX]),
     pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
         importlib.util.find_spec("nixl_cu12") is None,
         reason="nixl_cu12 is not importable (pip install 'pdmesh[nixl]')")]),
@@ -32,7 +35,10 @@ FAULTS = ["corrupt_payload", "stale_epoch", "stub_transfer", "drop_frame", "comm
 def transport_mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
     env = mesh_env(PDMESH_ALLOW_FAULTS="1", PDMESH_FAULTS="request_faults",
                    PDMESH_TRANSFER_DEADLINE_S="5", UCX_TLS="tcp")
-    with run_mesh("--transport", request.param, "--kv-tokens", "4096", env=env) as mesh:
+    if request.param == "ucx-shm":  # UCX picks its transports, shared memory among them
+        env = {k: v for k, v in env.items() if k not in ("UCX_TLS", "PDMESH_UCX_ERROR_MODE")}
+    kind = request.param.split("-")[0]
+    with run_mesh("--transport", kind, "--kv-tokens", "4096", env=env) as mesh:
         yield mesh
 
 
