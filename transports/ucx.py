@@ -14,6 +14,15 @@ and posts one receive, straight into the
 pages when they are adjacent in its memory, else into a buffer it copies from while the
 slot is live. Faults injected through the frame hook go one message per frame.
 
+Endpoints: a link is the sender's endpoint to the receiver's listener (ucxx gives it peer
+error handling, which UCX can only honour on tcp or RDMA lanes: no shared memory between
+processes). The receiver announces its UCX worker address on every new link; in error mode
+"none" (`data_error_mode`, `--ucx-error-mode`) the sender opens a second endpoint to that
+address without peer error handling and posts every message for the receiver on it, with
+the link's tag (tag matching is per worker: the receiver's receives match it), so UCX may
+use shared memory / CMA on one host. The listener endpoint carries the receiver's replies
+and reports a lost sender to the receiver.
+
 Fencing: a posted UCX receive cannot be taken back, so the slot counts it as an
 unstoppable write; a failed slot with writes in flight stays known to the receive table
 until they ended, and `fence()` waits for them. A receive that makes no progress within
