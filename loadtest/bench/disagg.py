@@ -14,6 +14,11 @@ length it reports:
   <= 0.25 for prompts of 4 chunks or more); null when the prefill reports no timing;
 - `ttft_ratio_best_<model>_<len>`: the same of the fastest run on each side (less swayed
   by other load on a shared machine);
+- `cpu_ratio_<model>_<len>`: median CPU time (user + system, every process of the mesh,
+  from /proc) a request took on the mesh / the same colocated: the work the mesh adds,
+  which other load on the machine moves much less than wall-clock TTFT (counted in 10 ms
+  ticks: telling for requests of a second of CPU or more); with
+  `cpu_s_<model>_<len>_{mesh,colocated}`;
 - the medians themselves (`ttft_s_<model>_<len>_{mesh,colocated}`), the runs done, the
   machine's load average at the start and the end, what the budget left out, and an
   `error_<model>_<len>` for a length that failed (the exit status is then 1).
@@ -76,6 +81,21 @@ class Server:
     @property
     def root(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) used so far by `pdmesh up` and every process under
+        it (Linux /proc; 0.0 where it cannot be read)."""
+        total, todo = 0.0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                todo += [int(c) for c in
+                         open(f"/proc/{pid}/task/{pid}/children").read().split()]
+            except (OSError, ValueError, IndexError):
+                continue  # a process that ended, or no /proc here
+        return total
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.root + "/metrics", timeout=30) as resp:
@@ -196,6 +216,7 @@ def bench_model(model: str, lengths: list[int], runs: int, budget_end: float,
                 continue
             prompt_len = min(length, context - MAX_TOKENS)  # smollm2's 8k: the whole context
             ttfts: dict[str, list[float]] = {"mesh": [], "colocated": []}
+            cpus: dict[str, list[float]] = {"mesh": [], "colocated": []}
             before = mesh.metrics()
             try:
                 for run in range(runs):
@@ -205,9 +226,11 @@ def bench_model(model: str, lengths: list[int], runs: int, budget_end: float,
                         transfers = server.metrics().get(TRANSFER_COUNT, 0.0)
                         # A request may overrun the budget, never the budget by far.
                         timeout_s = max(budget_end - time.monotonic(), 0.0) + REQUEST_GRACE_S
+                        cpu = server.cpu_s()
                         ttfts[server.label].append(server.complete(prompt, model, timeout_s))
                         if server is mesh:
                             server.wait_for_timing(transfers)
+                        cpus[server.label].append(server.cpu_s() - cpu)
             except RuntimeError as exc:  # this length failed; the next may not
                 print(f"pdmesh bench disagg: {key}: {exc}", file=sys.stderr, flush=True)
                 report[f"error_{key}"] = str(exc).splitlines()[0][:500]
@@ -223,12 +246,16 @@ def bench_model(model: str, lengths: list[int], runs: int, budget_end: float,
                                                 if best_colo > 0 else None)
             report[f"exposed_transfer_share_{key}"] = exposed / transfer if transfer > 0 \
                 else None
+            mesh_cpu, colo_cpu = (statistics.median(cpus[k]) for k in ("mesh", "colocated"))
+            report[f"cpu_ratio_{key}"] = mesh_cpu / colo_cpu if colo_cpu > 0 else None
+            report[f"cpu_s_{key}_mesh"] = mesh_cpu
+            report[f"cpu_s_{key}_colocated"] = colo_cpu
             report[f"ttft_s_{key}_mesh"] = mesh_s
             report[f"ttft_s_{key}_colocated"] = colo_s
             report[f"prompt_tokens_{key}"] = prompt_len
             report[f"runs_{key}"] = runs
-            print(f"disagg: {key}: mesh {mesh_s:.3f}s colocated {colo_s:.3f}s "
-                  f"(runs {runs})", file=sys.stderr, flush=True)
+            print(f"disagg: {key}: mesh {mesh_s:.3f}s colocated {colo_s:.3f}s, CPU "
+                  f"{mesh_cpu:.2f} / {colo_cpu:.2f} s (runs {runs})", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,10 @@ def test_bench_disagg_reports_ratio_and_medians_for_each_length() -> None:
             report[f"ttft_s_{key}_mesh"] / report[f"ttft_s_{key}_colocated"])
         share = report[f"exposed_transfer_share_{key}"]
         assert share is None or share >= 0
+    for side in ("mesh", "colocated"):  # a 600-token prefill takes CPU on either side
+        assert report[f"cpu_s_tiny_600_{side}"] > 0
+    assert report["cpu_ratio_tiny_600"] == pytest.approx(
+        report["cpu_s_tiny_600_mesh"] / report["cpu_s_tiny_600_colocated"])
     assert report["prompt_tokens_tiny_600"] == 600
     assert report["target_ttft_ratio"] == 1.05
 
