@@ -26,6 +26,9 @@ Faults (name: what happens):
 - `prefill_reject`: prefill's own gate refuses a request admission admitted (asymmetric
   rejection: decode must free its lease at once, not after a transfer timeout). Done by
   handing prefill a dispatch whose reservation does not match the prompt's pages.
+- `slow_reserve`: the first decode worker admission asks reserves, but replies only after
+  admission's reserve timeout (admission must free that reservation and place the request
+  elsewhere, without the late worker ending it).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ REQUEST_FAULTS = "request_faults"
 DATA_PLANE = ("corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
               "reorder_frames", "commit_first", "truncate", "reset", "stall", "stale_epoch",
               "foreign_reservation", "first_token_out_of_range", "first_token_negative")
-CONTROL = ("bypass_admission", "stub_transfer", "silent_prefill", "prefill_reject")
+CONTROL = ("bypass_admission", "stub_transfer", "silent_prefill", "prefill_reject",
+           "slow_reserve")
 ALL = DATA_PLANE + CONTROL
 
 
@@ -125,9 +129,26 @@ class FaultPolicy(LivePolicy):
         fault = fault_of(headers)
         return {NATS_FAULT_HEADER: fault} if fault else None
 
+    def reserve_headers(self, request_id: str, headers: Mapping[str, str],
+                        attempt: int) -> dict[str, str] | None:
+        """`slow_reserve` goes on the first reserve request of a request only."""
+        if fault_of(headers) == "slow_reserve" and attempt == 0:
+            return {NATS_FAULT_HEADER: "slow_reserve"}
+        return None
+
 
 def admission_policy(cfg: ServiceConfig) -> LivePolicy | None:
     return FaultPolicy() if enabled(cfg) else None
+
+
+# -- decode ---------------------------------------------------------------------------------
+def reserve_reply_delay(cfg: ServiceConfig) -> Any:
+    """Decode's delay before it answers a reserve request (production: None): on a test
+    mesh, `slow_reserve` answers after admission's reserve timeout."""
+    if not enabled(cfg):
+        return None
+    late = cfg.reserve_timeout_s + 0.5
+    return lambda headers: late if fault_of(headers) == "slow_reserve" else 0.0
 
 
 # -- prefill --------------------------------------------------------------------------------

@@ -216,6 +216,20 @@ class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, tag="reserve"):
     sampling: Sampling = Sampling()
 
 
+class ReserveCancel(msgspec.Struct, frozen=True, kw_only=True, tag="reserve_cancel"):
+    """Admission -> the one decode worker it asked (on its reserve subject): the reserve
+    with this ticket got no reply in time and the request went elsewhere (or was
+    rejected); free what it reserved, if anything, and tell no client: admission answers.
+    `nonce` is the ticket's: a later reservation for the same request is not touched."""
+
+    request_id: str
+    nonce: str
+    outcome: Outcome
+
+
+ToReserve = ReserveRequest | ReserveCancel
+
+
 class Reserved(msgspec.Struct, frozen=True, kw_only=True, tag="reserved"):
     request_id: str
     reservation: Reservation

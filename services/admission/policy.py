@@ -63,6 +63,11 @@ class AdmissionPolicy(Protocol):
         """NATS headers to put on the dispatch (production: none)."""
         ...
 
+    def reserve_headers(self, request_id: str, headers: Mapping[str, str],
+                        attempt: int) -> dict[str, str] | None:
+        """NATS headers to put on the `attempt`-th reserve request (production: none)."""
+        ...
+
 
 class LivePolicy:
     """The production policy: `decide()` on the live worker views; request headers are
@@ -74,6 +79,10 @@ class LivePolicy:
                       spread=req.request_id)
 
     def dispatch_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
+        return None
+
+    def reserve_headers(self, request_id: str, headers: Mapping[str, str],
+                        attempt: int) -> dict[str, str] | None:
         return None
 
 

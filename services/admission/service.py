@@ -130,6 +130,7 @@ class AdmissionService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.queue_timeout_s
         tried: set[str] = set()
+        attempts = 0  # reserve requests made for this request
         decision: Admitted | Rejected
         while True:
             # Cache-aware: each prefill's view says how much of this tenant's prompt it holds.
@@ -141,7 +142,8 @@ class AdmissionService:
             else:
                 decision = self.policy.decide(req, prefills, decodes, headers)
             if isinstance(decision, Admitted):
-                reply = await self._reserve_and_dispatch(req, decision, headers)
+                reply = await self._reserve_and_dispatch(req, decision, headers, attempts)
+                attempts += 1
                 if isinstance(reply, m.Admitted):
                     return reply
                 if isinstance(reply, Rejected):  # the decode's own gate: final, no queueing
@@ -173,7 +175,8 @@ class AdmissionService:
                           limit=rej.limit)
 
     async def _reserve_and_dispatch(self, req: m.SubmitRequest, decision: Admitted,
-                                    headers: Mapping[str, str]) -> m.Admitted | Rejected | Retry:
+                                    headers: Mapping[str, str],
+                                    attempt: int = 0) -> m.Admitted | Rejected | Retry:
         """Only an `Admitted` decision reaches here (the type says so): reserve on decode,
         then dispatch. Returns the admitted reply, a final rejection (the decode's own
         capacity gate refused it), or `Retry` (that decode did not reserve now)."""
@@ -188,13 +191,18 @@ class AdmissionService:
         try:
             res = await self.rt.request(m.reserve_subject(decode.worker_id),
                                         m.ReserveRequest(ticket=ticket, sampling=req.sampling),
-                                        m.ReserveReply, self.cfg.reserve_timeout_s)
+                                        m.ReserveReply, self.cfg.reserve_timeout_s,
+                                        headers=self.policy.reserve_headers(
+                                            req.request_id, headers, attempt))
         except (TimeoutError, m.MessageError) as exc:
             self.reservations.labels("error").inc()
             log.warning("reserve on %s for %s failed: %s", decode.worker_id, req.request_id, exc)
-            # The decode worker may have reserved after our deadline: tell it to let go.
-            await self.rt.publish(m.ABORT_SUBJECT, m.Abort(
-                request_id=req.request_id,
+            # The decode worker may have reserved after our deadline: tell that worker, and
+            # only it, to let go of this ticket's reservation. (A broadcast Abort of the
+            # request would also end it where the retry below places it, and the late
+            # worker's failure event would end the client's request.)
+            await self.rt.publish(m.reserve_subject(decode.worker_id), m.ReserveCancel(
+                request_id=req.request_id, nonce=ticket.nonce,
                 outcome=m.Outcome(code=m.Code.RESERVE_FAILED, detail=str(exc))))
             return Retry(str(exc))
         if isinstance(res, m.ReserveRefused):

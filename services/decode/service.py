@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,6 +31,7 @@ from prometheus_client import Counter
 
 from pdmesh.kvstore import Lease, PoolExhaustedError
 from pdmesh.kvstore.spec import pages_for
+from pdmesh.services import faults
 from pdmesh.services import messages as m
 from pdmesh.services.capacity import decode_refusal
 from pdmesh.services.config import ServiceConfig
@@ -65,6 +67,7 @@ class DecodeRequest:
     transfer_task: asyncio.Task[None] | None = None
     reserved_at: float = field(default_factory=time.monotonic)
     progress_at: float = field(default_factory=time.monotonic)  # prefill's latest word
+    quiet: bool = False  # ends without an event on the token stream (admission answers)
 
     def __post_init__(self) -> None:
         self.lifecycle = Lifecycle(self.ticket.request_id, RequestState.RESERVED)
@@ -144,9 +147,14 @@ class DecodeService(WorkerBase):
 
     def __init__(self, cfg: ServiceConfig, transport: KVTransport | None = None,
                  intake: KVIntake | None = None,
-                 advertised_roles: tuple[m.Role, ...] = ()) -> None:
+                 advertised_roles: tuple[m.Role, ...] = (),
+                 reply_delay: Callable[[Mapping[str, str] | None], float] | None = None
+                 ) -> None:
         super().__init__(cfg, transport)
         self.advertised_roles = advertised_roles
+        # Seconds to wait before answering a reserve request (test meshes only:
+        # services/faults.py `reserve_reply_delay`; production: None).
+        self.reply_delay = reply_delay
         self.intake: KVIntake = intake or TransportIntake()
         self.requests: dict[str, DecodeRequest] = {}
         self.scheduler: DecodeScheduler[DecodeRequest] = DecodeScheduler(cfg.max_batch)
@@ -164,7 +172,7 @@ class DecodeService(WorkerBase):
 
     async def subscribe(self) -> None:
         wid = self.cfg.worker_id
-        await self.rt.subscribe(m.reserve_subject(wid), m.ReserveRequest, self._on_reserve)
+        await self.rt.subscribe(m.reserve_subject(wid), m.ToReserve, self._on_reserve)
         await self.rt.subscribe(m.release_subject(wid), m.ToDecode, self._on_release)
         await self.rt.subscribe(m.ABORT_SUBJECT, m.Abort, self._on_abort)
         await self.rt.subscribe(m.heartbeat_subject("prefill", "*"), m.Heartbeat,
@@ -211,8 +219,24 @@ class DecodeService(WorkerBase):
                 "generated_tokens": counter_total(self.tokens_out)}
 
     # -- reserve ------------------------------------------------------------------------
-    async def _on_reserve(self, req: m.ReserveRequest, msg: Msg) -> None:
-        await self.rt.respond(msg, self.reserve(req))
+    async def _on_reserve(self, req: m.ToReserve, msg: Msg) -> None:
+        if isinstance(req, m.ReserveCancel):
+            await self._on_cancel(req)
+            return
+        reply = self.reserve(req)
+        if self.reply_delay is not None:  # test meshes only (services/faults.py)
+            await asyncio.sleep(self.reply_delay(msg.headers))
+        await self.rt.respond(msg, reply)
+
+    async def _on_cancel(self, c: m.ReserveCancel) -> None:
+        """Admission gave up on a reservation it asked for (no reply in time): free it. The
+        request is admission's to answer (it was sent elsewhere, or rejected): no event on
+        its token stream, where a failure would end the request the other worker serves."""
+        dreq = self.requests.get(c.request_id)
+        if dreq is None or dreq.ticket.nonce != c.nonce or dreq.state is not RequestState.RESERVED:
+            return
+        dreq.quiet = True
+        await self.end(dreq, c.outcome)
 
     def _refuse(self, t: m.AdmittedTicket, label: str, code: m.Code,
                 detail: str) -> m.ReserveRefused:
@@ -403,7 +427,9 @@ class DecodeService(WorkerBase):
             self.pool.release(lease, outcome.label)
         self.releases.labels(outcome.label).inc()
         self.requests.pop(dreq.request_id, None)
-        await self._tell(event or m.StreamFailed(request_id=dreq.request_id, outcome=outcome))
+        if not dreq.quiet:
+            await self._tell(event or m.StreamFailed(request_id=dreq.request_id,
+                                                     outcome=outcome))
 
     async def _tell(self, event: m.TokenEvent | m.StreamFailed) -> None:
         try:
@@ -413,4 +439,4 @@ class DecodeService(WorkerBase):
 
 
 async def serve(cfg: ServiceConfig) -> None:
-    await run_worker(DecodeService(cfg))
+    await run_worker(DecodeService(cfg, reply_delay=faults.reserve_reply_delay(cfg)))

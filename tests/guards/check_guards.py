@@ -344,6 +344,24 @@ MUTATIONS = [
              "        pass",
              ("tests/isolation/test_ucx_mesh.py::"
               "test_idle_workers_do_not_spin_after_transfers[ucx]",)),
+    Mutation("reserve-cancel", "a reservation admission gave up on is cancelled on that "
+             "decode worker alone (a broadcast Abort also ended the request where the retry "
+             "placed it)",
+             "services/admission/service.py",
+             "            await self.rt.publish(m.reserve_subject(decode.worker_id), "
+             "m.ReserveCancel(\n"
+             "                request_id=req.request_id, nonce=ticket.nonce,\n",
+             "            await self.rt.publish(m.ABORT_SUBJECT, m.Abort(\n"
+             "                request_id=req.request_id,\n",
+             ("tests/isolation/test_worker_loss.py::"
+              "test_a_decode_answering_after_the_reserve_timeout_costs_the_request_nothing",)),
+    Mutation("reserve-cancel-quiet", "decode frees a cancelled reservation without a failure "
+             "on the request's token stream (admission answers the client)",
+             "services/decode/service.py",
+             "        dreq.quiet = True\n",
+             "",
+             ("tests/isolation/test_worker_loss.py::"
+              "test_a_decode_answering_after_the_reserve_timeout_costs_the_request_nothing",)),
     Mutation("ucx-error-mode", "UCX endpoints without peer error handling only where every "
              "transport survives a lost peer (on InfiniBand an unhandled error can abort "
              "the process)",

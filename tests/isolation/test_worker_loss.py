@@ -1,6 +1,7 @@
 """Workers killed (kill -9) mid-transfer and mid-stream, and nats-server restarted under load:
 the client gets an error (never a hang past the deadline, never another request's tokens),
-the surviving side frees its pages, and the mesh serves correctly afterwards."""
+the surviving side frees its pages, and the mesh serves correctly afterwards. A decode
+worker that answers a reservation too late costs the request nothing."""
 
 from __future__ import annotations
 
@@ -84,6 +85,26 @@ def _serves_correctly(mesh: Mesh) -> None:
         time.sleep(0.5)
     assert status == 200, body
     assert body["choices"][0]["text"] == expected_text("after the loss", 6)
+
+
+def test_a_decode_answering_after_the_reserve_timeout_costs_the_request_nothing(
+        big_mesh: Mesh) -> None:
+    """`slow_reserve`: the first decode worker asked reserves, but answers only after
+    admission's reserve timeout (2 s), as a worker whose NATS link is just coming back
+    does (the multi-host lab's host-cut scenario hit it). Admission cancels that
+    reservation on that worker alone (`ReserveCancel`) and places the request on the other
+    decode: the client gets the oracle's answer, and no lease is left anywhere. Before,
+    admission broadcast an Abort of the request: the late worker published a failure on
+    the request's token stream and the client got 502 although the retry had placed it."""
+    prompt = "a reservation answered late " * 3
+    started = time.monotonic()
+    status, body = big_mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0},
+        headers={"X-Pdmesh-Fault": "slow_reserve"})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected_text(prompt, 6)
+    assert time.monotonic() - started >= 2.0  # the first reserve really went unanswered
+    assert_pools_clean(big_mesh.nats_url)  # the late reservation freed, not left to time out
 
 
 def test_prefill_killed_mid_transfer(big_mesh: Mesh) -> None:
