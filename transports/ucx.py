@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import struct
 from collections.abc import Iterable, Iterator
@@ -79,25 +80,34 @@ def error_mode_setting(mode: str | None = None) -> str:
     return mode
 
 
-def data_error_mode(setting: str = "auto", active: Iterable[str] | None = None) -> str:
+def data_error_mode(setting: str | None = None, active: Iterable[str] | None = None) -> str:
     """The error handling of the endpoint a sender posts its frames on: "peer" or "none".
 
-    `PDMESH_UCX_ERROR_MODE` (`setting`): `peer` (UCX reports a lost peer on the endpoint;
-    UCX then uses no shared-memory lane between two processes, so on one host the bytes go
-    over tcp/lo), `none` (shared memory and CMA between processes on one host: measured 1.2
-    -> 12 GB/s for a bare 64 MiB ucxx send; a lost peer shows as an error or a stall that
-    the progress timeout ends), or `auto` (the default): `none` when every transport UCX
-    may use (`active`, default ucxx's active transports, which follow `UCX_TLS`) is one of
-    tcp / shared memory / self, else `peer`. Resolving `auto` creates ucxx's context: call
-    it inside the event loop that will run the transport (ucxx binds its futures to it).
-    Links always have peer error handling on their listener endpoint, which carries the
-    receiver's replies and reports a lost sender to the receiver. transports/README.md."""
+    `setting` (default: `PDMESH_UCX_ERROR_MODE`; checked by `error_mode_setting`): `peer`
+    (UCX reports a lost peer on the endpoint; UCX then uses no shared-memory lane between
+    two processes, so on one host the bytes go over tcp/lo), `none` (shared memory and CMA
+    between processes on one host: measured 1.2 -> 12 GB/s for a bare 64 MiB ucxx send; a
+    lost peer shows as an error or a stall that the progress timeout ends), or `auto`:
+    `none` when every transport UCX may use (`active`, default ucxx's active transports,
+    which follow `UCX_TLS`) is one of tcp / shared memory / self, else `peer`. Resolving
+    `auto` creates ucxx's context: call it inside the event loop that will run the
+    transport (ucxx binds its futures to it). Links always have peer error handling on
+    their listener endpoint, which carries the receiver's replies and reports a lost
+    sender to the receiver. transports/README.md."""
+    setting = error_mode_setting(setting)
     if setting != "auto":
         return setting
-    if active is None:
-        active = ucx.get_active_transports() if hasattr(ucx, "get_active_transports") else ()
-    active = set(active)
+    active = _active_transports() if active is None else frozenset(active)
     return "none" if active and active <= _NO_ERRH_SAFE else "peer"
+
+
+@functools.cache
+def _active_transports() -> frozenset[str]:
+    """The UCX transports ucxx's context may use: fixed for the life of the process (the
+    context is created once, with the environment of that moment), so asked once."""
+    if not hasattr(ucx, "get_active_transports"):
+        return frozenset()
+    return frozenset(ucx.get_active_transports())
 
 
 # UCX's TCP transport (the one an endpoint with peer error handling gets between two
@@ -476,7 +486,7 @@ class UcxTransport(TransportCore):
             return ep
         try:
             if self.error_mode == "auto":
-                self.error_mode = data_error_mode()
+                self.error_mode = data_error_mode("auto")
             tx = await sending_endpoint(ep, self.error_mode, connect_s)
             if tx is not None:
                 self._tx_eps[id(ep)] = tx

@@ -121,12 +121,7 @@ async def _raw_send(ep, tx, payload: np.ndarray) -> None:
 
 
 async def _raw_ucx_once(payload: np.ndarray, dst: np.ndarray, ucx) -> float:
-    from pdmesh.transports.ucx import (
-        announce_worker,
-        data_error_mode,
-        error_mode_setting,
-        sending_endpoint,
-    )
+    from pdmesh.transports.ucx import announce_worker, data_error_mode, sending_endpoint
     done: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def on_connect(ep) -> None:
@@ -137,7 +132,7 @@ async def _raw_ucx_once(payload: np.ndarray, dst: np.ndarray, ucx) -> float:
 
     listener = ucx.create_listener(on_connect, port=0)
     ep = await ucx.create_endpoint("127.0.0.1", listener.port)
-    tx = await sending_endpoint(ep, data_error_mode(error_mode_setting()), 10.0)
+    tx = await sending_endpoint(ep, data_error_mode(), 10.0)
     started = time.perf_counter()
     await _raw_send(ep, tx, payload)
     await done
@@ -208,9 +203,9 @@ async def _peer_raw_once(peer: _Peer, payload: np.ndarray, ucx) -> float:
     """One raw transfer to the peer: bare ucxx when `ucx` is given, else a plain socket."""
     await peer.command(f"raw {payload.nbytes}")
     if ucx is not None:
-        from pdmesh.transports.ucx import data_error_mode, error_mode_setting, sending_endpoint
+        from pdmesh.transports.ucx import data_error_mode, sending_endpoint
         ep = await ucx.create_endpoint("127.0.0.1", peer.raw_port)
-        tx = await sending_endpoint(ep, data_error_mode(error_mode_setting()), 10.0)
+        tx = await sending_endpoint(ep, data_error_mode(), 10.0)
         ack = np.empty(1, np.uint8)
         started = time.perf_counter()
         await _raw_send(ep, tx, payload)
@@ -254,34 +249,43 @@ async def _perftest_gbps(nbytes: int, repeat: int, errh: bool = False) -> float 
     binary, libdir = found
     env = {**os.environ, "LD_LIBRARY_PATH": ":".join(
         p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)}
-    with socket.socket() as probe:  # a free port for perftest's own rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
     iters = str(max(8, repeat * (256 << 20) // nbytes))
-    common = ("-p", port, "-f", "-v", *(("-e",) if errh else ()))
-    server = await asyncio.create_subprocess_exec(
-        binary, *common, env=env, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL)
-    try:
-        for _ in range(50):  # the server needs a moment to listen
-            await asyncio.sleep(0.1)
-            client = await asyncio.create_subprocess_exec(
-                binary, "127.0.0.1", *common, "-t", "tag_bw", "-s", str(nbytes), "-n", iters,
-                "-w", "4", env=env, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL)
-            out, _ = await asyncio.wait_for(client.communicate(), 60)
-            if client.returncode == 0:
-                break
-        else:
-            return None
-    finally:
-        if server.returncode is None:
-            server.kill()
-        await server.wait()
-    # CSV: iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,...
-    # bandwidth in MB/s as UCX counts them (2**20 bytes).
-    rows = [line.split(",") for line in out.decode().splitlines() if line.strip()[:1].isdigit()]
-    return float(rows[-1][5]) * (1 << 20) / 1e9 if rows else None
+    # The server serves one client and exits, whatever became of it: a client that reached
+    # it too early (or failed mid-run) ends that server, so each attempt starts a new one.
+    for _ in range(3):
+        with socket.socket() as probe:  # a free port for perftest's own rendezvous
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
+        common = ("-p", port, "-f", "-v", *(("-e",) if errh else ()))
+        server = await asyncio.create_subprocess_exec(
+            binary, *common, env=env, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL)
+        try:
+            for _ in range(50):  # the server needs a moment to listen
+                await asyncio.sleep(0.1)
+                if server.returncode is not None:
+                    break  # it exited: start another
+                client = await asyncio.create_subprocess_exec(
+                    binary, "127.0.0.1", *common, "-t", "tag_bw", "-s", str(nbytes), "-n",
+                    iters, "-w", "4", env=env, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.DEVNULL)
+                try:
+                    out, _ = await asyncio.wait_for(client.communicate(), 60)
+                except TimeoutError:
+                    client.kill()
+                    await client.wait()
+                    break
+                # CSV: iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,
+                # ...; bandwidth in MB/s as UCX counts them (2**20 bytes).
+                rows = [line.split(",") for line in out.decode().splitlines()
+                        if line.strip()[:1].isdigit()]
+                if client.returncode == 0 and rows:
+                    return float(rows[-1][5]) * (1 << 20) / 1e9
+        finally:
+            if server.returncode is None:
+                server.kill()
+            await server.wait()
+    return None
 
 
 def _ucx_for(kind: str) -> ModuleType | None:
@@ -393,8 +397,8 @@ async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> d
     ucx_error_mode = ""  # the ucx transport's sending endpoints (transports/ucx.py)
     try:
         if "ucx" in kinds and _ucx_for("ucx") is not None:
-            from pdmesh.transports.ucx import data_error_mode, error_mode_setting
-            ucx_error_mode = data_error_mode(error_mode_setting())
+            from pdmesh.transports.ucx import data_error_mode
+            ucx_error_mode = data_error_mode()
         results = (await _run_process(kinds, repeat, budget_s) if layout == "process"
                    else await _run_loop(kinds, repeat, budget_s))
     finally:
