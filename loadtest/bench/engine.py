@@ -6,10 +6,14 @@ same weights on the same machine:
 * `dense_forward_ms_b1` / `_b16`: a bare contiguous forward of 1 / 16 rows (embedding, every
   layer's matmuls and norms, the lm_head; no attention, no KV cache, no paging, no tiles);
 * `dense_prefill_ms`: the same bare forward of all `--prompt-len` rows at once;
+* `dense_prefill_attention_ms`: that forward with torch's causal SDPA in every layer (one
+  call over all rows: the bare forward of the prompt, attention included);
 * `weights_stream_ms`: reading every weight once (the memory-bandwidth floor of a step);
 and reports the ratios `decode_vs_dense_b1`, `decode_vs_dense_b16` (decode step time /
-dense forward time), `prefill_vs_dense` (and `prefill_vs_dense_4k` when the prompt is ~4k
-tokens), `paged_vs_contiguous_b1` / `_b16` and `lease_check_pct_of_step_b16`.
+dense forward time), `prefill_vs_dense` and `prefill_vs_dense_attention` (and their `_4k`
+twins when the prompt is ~4k tokens), `paged_vs_contiguous_b1` / `_b16`,
+`lease_check_pct_of_step_b16`, and `native_decode_attention` (whether decode attention ran
+in the native kernel, services/engine/native.py).
 Figures are medians of interleaved runs (with --cpu-time: the best process CPU time, for
 a loaded machine; use it with --threads 1); `load_avg_1m_start` / `_end` say how busy the
 machine was. Bounded: ~20 s with `tiny`, ~2 min with `smollm2` on 2 cores.
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from pdmesh.kvstore.spec import pages_for
 from pdmesh.loadtest.bench import print_report
+from pdmesh.services.engine import native
 from pdmesh.services.engine.config import ModelConfig
 from pdmesh.services.engine.model import ModelWeights, rms_norm
 from pdmesh.services.engine.models import load_model
@@ -56,15 +61,24 @@ def _median(fn, repeat: int) -> float:
 
 
 @torch.inference_mode()
-def dense_forward(config: ModelConfig, w: ModelWeights, token_ids: torch.Tensor) -> torch.Tensor:
+def dense_forward(config: ModelConfig, w: ModelWeights, token_ids: torch.Tensor,
+                  attention: bool = False) -> torch.Tensor:
     """The roofline: one plain forward of all rows of `token_ids` with the model's weights
     as loaded (one standard GEMM per weight matrix over all rows; no attention, no KV, no
-    per-row kernels, no tiles) and the logits of the last (at most 16) rows."""
+    per-row kernels, no tiles) and the logits of the last (at most 16) rows. With
+    `attention`, each layer also runs torch's causal SDPA over all rows at once (one call,
+    contiguous q/k/v, no cache, no chunks, no pages): a bare forward of the prompt."""
     x = w.embed[token_ids]
+    n, heads, kv_heads, hd = x.shape[0], config.n_heads, config.n_kv_heads, config.head_dim
     for layer in w.layers:
         h = rms_norm(x, layer.attn_norm, config.norm_eps)
-        F.linear(h, layer.wk), F.linear(h, layer.wv)
-        x = x + F.linear(F.linear(h, layer.wq), layer.wo)
+        q, k, v = F.linear(h, layer.wq), F.linear(h, layer.wk), F.linear(h, layer.wv)
+        if attention:
+            q = F.scaled_dot_product_attention(
+                q.view(n, heads, hd).transpose(0, 1), k.view(n, kv_heads, hd).transpose(0, 1),
+                v.view(n, kv_heads, hd).transpose(0, 1), is_causal=True, enable_gqa=True,
+            ).transpose(0, 1).reshape(n, heads * hd)
+        x = x + F.linear(q, layer.wo)
         h = rms_norm(x, layer.ffn_norm, config.norm_eps)
         x = x + F.linear(F.silu(F.linear(h, layer.w_gate)) * F.linear(h, layer.w_up),
                          layer.w_down)
@@ -189,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     prefill_s = _median(prefill_once, args.prefill_repeat)
     dense_prefill_s = _median(lambda: dense_forward(model.config, dense_weights, prompt_ids),
                               args.prefill_repeat)
+    dense_attention_s = _median(
+        lambda: dense_forward(model.config, dense_weights, prompt_ids, attention=True),
+        args.prefill_repeat)
     stream_s = _median(lambda: weights_stream(dense_weights), 3)
 
     results: dict[str, float] = {}
@@ -213,10 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         "dense_forward_ms_b1": 1000 * results["dense_forward_s_b1"],
         "dense_forward_ms_b16": 1000 * results["dense_forward_s_b16"],
         "dense_prefill_ms": 1000 * dense_prefill_s,
+        "dense_prefill_attention_ms": 1000 * dense_attention_s,
         "weights_stream_ms": 1000 * stream_s,
         "decode_vs_dense_b1": results["decode_step_s_b1"] / results["dense_forward_s_b1"],
         "decode_vs_dense_b16": results["decode_step_s_b16"] / results["dense_forward_s_b16"],
         "prefill_vs_dense": prefill_s / dense_prefill_s,
+        "prefill_vs_dense_attention": prefill_s / dense_attention_s,
         "paged_vs_contiguous_b1": results["contiguous_step_s_b1"] / results["decode_step_s_b1"],
         "paged_vs_contiguous_b16": results["contiguous_step_s_b16"]
         / results["decode_step_s_b16"],
@@ -224,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if 3900 <= args.prompt_len <= 4200:
         report["prefill_vs_dense_4k"] = report["prefill_vs_dense"]
+        report["prefill_vs_dense_attention_4k"] = report["prefill_vs_dense_attention"]
+    report["native_decode_attention"] = native.usable(pool.device, pool.spec.dtype)
     report["load_avg_1m_start"] = load_start
     report["load_avg_1m_end"] = os.getloadavg()[0]
     print_report(report, args.json, decimals=3)

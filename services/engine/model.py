@@ -16,12 +16,20 @@ construction:
   (Until issue 17 every step was padded to 16 rows, which made a batch-1 step pay for 16;
   see services/engine/README.md.) Row-wise reductions (RMSNorm) reduce one row of `dim`
   floats, far below ATen's parallel grain, so they do not split with the row count;
-* attention is computed per request (one SDPA call per request per layer; two merged
-  flash calls for a prefill chunk on CPU, `_chunk_attention`) over that request's own K/V
-  only, gathered into a contiguous [T, kv_heads, head_dim] tensor; the paged gather and a
-  contiguous cache give the same tensor, hence the same bits, and every attention shape
-  depends only on the request's own positions (a decode row's query heads are folded onto
-  their KV heads, [1, kv_heads, group, hd], whatever the batch);
+* a decode tile's matmuls follow `decode_plan`: qkv, o and lm_head in the columns
+  orientation (W @ x^T, pieces of at most 8 rows, whose 4..11-row kernels agree bit for
+  bit), gate/up and down in the rows bits of the ladder above; each property is checked
+  for the model's shapes (`columns_agree`, `tiles_agree`, `wide_agrees`);
+* attention is computed per request over that request's own K/V only. Decode rows on CPU
+  in fp32 use the native kernel (native.py, kernels/decode_attention.c): it reads K/V in
+  place through the request's page table (a contiguous cache is one page), each request
+  computed by one thread in an order fixed by its length, so paged and contiguous stores
+  give the same bits. Otherwise (and for prefill chunks: two merged flash calls on CPU,
+  `_chunk_attention`) one SDPA call per request per layer over its K/V gathered into a
+  contiguous [T, kv_heads, head_dim] tensor; the paged gather and a contiguous cache give
+  the same tensor, hence the same bits, and every attention shape depends only on the
+  request's own positions (a decode row's query heads are folded onto their KV heads,
+  [1, kv_heads, group, hd], whatever the batch);
 * prefill is chunked at fixed absolute positions (multiples of PREFILL_CHUNK), whatever
   worker runs it, so the KV bytes a prefill worker ships equal the reference's bytes.
 Caveat: the processes must use the same torch build, device, dtype and thread count.
@@ -37,10 +45,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pdmesh.services.engine import native
 from pdmesh.services.engine.config import ModelConfig
+from pdmesh.services.engine.native import DecodeAttention
 from pdmesh.services.engine.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 512
@@ -50,6 +61,18 @@ DECODE_TILE = 16  # most requests one decode_tile call takes
 # matmul shape, at start-up and whenever the thread count changes; where it does not hold,
 # decode pads every step to DECODE_TILE rows (always invariant, slower at low batch).
 DECODE_TILES = (4, 8, DECODE_TILE)
+# Decode matmuls come in two orientations (issue 17, change 6 in README.md): "rows",
+# F.linear(x, W) = x @ W^T, and "columns", torch.mm(W, x^T)^T. On this machine's MKL a
+# row's bits are the same for every row count in 4..16 in the rows orientation, and in the
+# columns orientation for every count in 4..11 (a second set of bits), while columns at
+# 12..16 rows give the rows orientation's bits. The columns orientation at 4-8 rows streams
+# the weights about twice as fast as any 1-4 row GEMM here, so the roles in COLUMN_ROLES run
+# in pieces of at most COLUMN_PIECE rows that way, the others in the rows bits (as one
+# 16-row columns GEMM at a full tile, the faster of the two). `LlamaModel.decode_plan`
+# checks each property for the model's shapes (`tiles_agree`, `columns_agree`) and drops
+# what does not hold; a role keeps one orientation for every batch size.
+COLUMN_PIECE = 8
+COLUMN_ROLES = ("qkv", "o", "lm_head")
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -177,6 +200,10 @@ class SegmentsKV(Protocol):
         positions 0..T, T = start_pos + num_rows. A paged store yields them lazily: a
         segment's pair is valid until the next one is taken."""
 
+    def decode_attention(self) -> DecodeAttention:
+        """The native decode attention over these segments' storage in place (every
+        segment one decode row, rows 0..n-1 in order); see native.py."""
+
 
 class PerSegmentKV:
     """SegmentsKV over per-request KVViews, one call per segment (contiguous caches)."""
@@ -195,6 +222,13 @@ class PerSegmentKV:
             keys, values = seg.kv.read(layer, seg.start_pos + seg.num_rows)
             out.append((keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)))
         return out
+
+    def decode_attention(self) -> DecodeAttention:
+        """Each contiguous cache is one page of `max_tokens` tokens."""
+        caches = [seg.kv.cache for seg in self.segments]  # type: ignore[attr-defined]
+        return DecodeAttention([c.data_ptr() for c in caches], [c.shape[2] for c in caches],
+                               [0] * len(caches), [np.zeros(1, np.int64)] * len(caches),
+                               [seg.start_pos + seg.num_rows for seg in self.segments], caches)
 
 
 class ContiguousKV:
@@ -282,6 +316,53 @@ def tiles_agree(shapes: list[tuple[int, int]], tiles: tuple[int, ...], device: t
     return True
 
 
+def _columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T computed as weight @ x^T (the columns orientation), [rows, out]."""
+    return torch.mm(weight, x.t()).t()
+
+
+def columns_agree(shapes: list[tuple[int, int]], sizes: tuple[int, ...],
+                  device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether, for every weight shape [out, in], each row of a columns-orientation GEMM of
+    m rows (m in `sizes`) equals bit for bit the same row computed first in a COLUMN_PIECE-row
+    one, wherever it sits in the m rows. On this machine's MKL: true for 4..11 rows, false
+    for 1..3 and 12..16."""
+    gen = torch.Generator().manual_seed(1)
+    for out_features, in_features in shapes:
+        weight = torch.randn(out_features, in_features, generator=gen).to(device, dtype)
+        rows = torch.randn(DECODE_TILE + COLUMN_PIECE, in_features, generator=gen
+                           ).to(device, dtype)
+        alone = torch.stack([_columns(rows[r:r + COLUMN_PIECE], weight)[0]
+                             for r in range(DECODE_TILE)])
+        for m in sizes:
+            for first in {0, DECODE_TILE - m, (DECODE_TILE - m) // 2}:
+                if not torch.equal(_columns(rows[first:first + m], weight),
+                                   alone[first:first + m]):
+                    return False
+    return True
+
+
+def wide_agrees(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a DECODE_TILE-row GEMM gives the same bits in both orientations (true here:
+    MKL runs both as the same kernel at 16 rows; the columns one is faster)."""
+    gen = torch.Generator().manual_seed(2)
+    for out_features, in_features in shapes:
+        weight = torch.randn(out_features, in_features, generator=gen).to(device, dtype)
+        rows = torch.randn(DECODE_TILE, in_features, generator=gen).to(device, dtype)
+        if not torch.equal(_columns(rows, weight), F.linear(rows, weight)):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How decode runs its matmuls at one thread count (see COLUMN_ROLES)."""
+
+    tiles: tuple[int, ...]  # row counts a step pads to
+    column_roles: frozenset[str]  # roles run in the columns orientation, <= COLUMN_PIECE rows
+    wide_columns: bool  # the other roles run a full tile as one columns GEMM (same bits)
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: ModelWeights,
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> None:
@@ -294,31 +375,63 @@ class LlamaModel:
         angles = torch.arange(config.max_context, dtype=torch.float64)[:, None] * inv_freq
         self.cos = angles.cos().to(torch.float32).to(self.device)
         self.sin = angles.sin().to(torch.float32).to(self.device)
-        self._tiles_for_threads: tuple[int, tuple[int, ...]] | None = None
+        self._plan_for_threads: tuple[int, DecodePlan] | None = None
 
     @property
     def decode_tiles(self) -> tuple[int, ...]:
         """Row counts decode pads to: DECODE_TILES where `tiles_agree` holds for this
         model's matmul shapes at the current thread count, else (DECODE_TILE,)."""
+        return self.decode_plan.tiles
+
+    def _role_weights(self) -> dict[str, list[torch.Tensor]]:
+        w = self.weights
+        return {"qkv": [layer.wqkv for layer in w.layers], "o": [layer.wo for layer in w.layers],
+                "gate_up": [layer.w_gate_up for layer in w.layers],
+                "down": [layer.w_down for layer in w.layers], "lm_head": [w.lm_head]}
+
+    @property
+    def decode_plan(self) -> DecodePlan:
+        """The decode matmul plan at the current thread count, every part of it checked
+        on this machine for this model's shapes (BLAS picks kernels by shape and threads)."""
         threads = torch.get_num_threads()
-        if self._tiles_for_threads is None or self._tiles_for_threads[0] != threads:
-            w = self.weights
-            shapes = sorted({tuple(t.shape) for t in (
-                w.lm_head, *(m for layer in w.layers
-                             for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)))})
-            ok = tiles_agree(shapes, DECODE_TILES, self.device, self.dtype)
-            self._tiles_for_threads = (threads, DECODE_TILES if ok else (DECODE_TILE,))
-        return self._tiles_for_threads[1]
+        if self._plan_for_threads is None or self._plan_for_threads[0] != threads:
+            roles = {role: sorted({tuple(t.shape) for t in ts})
+                     for role, ts in self._role_weights().items()}
+            all_shapes = sorted({s for shapes in roles.values() for s in shapes})
+            tiles = (DECODE_TILES if tiles_agree(all_shapes, DECODE_TILES, self.device,
+                                                 self.dtype) else (DECODE_TILE,))
+            column_shapes = sorted({s for r in COLUMN_ROLES for s in roles[r]})
+            sizes = tuple(sorted({min(t, COLUMN_PIECE) for t in tiles}))
+            columns = columns_agree(column_shapes, sizes, self.device, self.dtype)
+            row_shapes = sorted({s for r, shapes in roles.items() if r not in COLUMN_ROLES
+                                 or not columns for s in shapes})
+            plan = DecodePlan(tiles, frozenset(COLUMN_ROLES if columns else ()),
+                              wide_agrees(row_shapes, self.device, self.dtype))
+            self._plan_for_threads = (threads, plan)
+        return self._plan_for_threads[1]
+
+    def _decode_linear(self, x: torch.Tensor, weight: torch.Tensor, role: str) -> torch.Tensor:
+        """x @ weight^T for a decode tile of x's rows, in the role's orientation."""
+        plan = self.decode_plan
+        if role in plan.column_roles:
+            if x.shape[0] <= COLUMN_PIECE:
+                return _columns(x, weight)
+            return torch.cat([_columns(piece, weight) for piece in x.split(COLUMN_PIECE)])
+        if plan.wide_columns and x.shape[0] == DECODE_TILE:
+            return _columns(x, weight)
+        return F.linear(x, weight)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+        decode: bool = False,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [N, dim]. Rows outside every segment are
         padding: they write no KV and attend to nothing.
 
         Per layer: the K/V of every segment is written, then read back (a paged store
         does each in one call for the whole batch), and attention runs per segment over
-        that segment's own keys only (see the module docstring)."""
+        that segment's own keys only (see the module docstring). `decode`: the rows are
+        one padded decode tile (its matmuls follow `decode_plan`)."""
         cfg, w = self.config, self.weights
         n, heads, kv_heads, hd = token_ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qk_dim = cfg.q_dim + cfg.kv_dim
@@ -339,16 +452,26 @@ class LlamaModel:
                 mask = torch.zeros(key_pos.shape[0], dtype=self.dtype, device=self.device
                                    ).masked_fill(key_pos > query_pos[:, None], float("-inf"))
             masks.append(mask)
+        linear = self._decode_linear if decode else lambda x, weight, role: F.linear(x, weight)
+        attend = None
+        if decode and native.usable(self.device, self.dtype):
+            if any(seg.row != i or seg.num_rows != 1 for i, seg in enumerate(segments)):
+                raise ValueError("a decode tile's segments are rows 0..n-1, one row each")
+            attend = store.decode_attention()
         x = w.embed[token_ids]
         for index, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
-            qkv = F.linear(h, layer.wqkv)
+            qkv = linear(h, layer.wqkv, "qkv")
             qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
             store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
             q = qk[:, :heads]
             attn = torch.zeros(n, heads, hd, dtype=x.dtype, device=x.device)
-            for seg, mask, (keys, values) in zip(segments, masks, store.read(index),
-                                                 strict=True):
+            per_segment: Iterable = ()
+            if attend is not None:  # every decode row over its K/V in place (native.py)
+                attn[:len(segments)] = attend(index, q[:len(segments)], kv_heads, hd)
+            else:
+                per_segment = zip(segments, masks, store.read(index), strict=True)
+            for seg, mask, (keys, values) in per_segment:
                 rows = slice(seg.row, seg.row + seg.num_rows)
                 if seg.num_rows == 1:
                     # Decode: the query heads sharing a KV head become that head's query
@@ -366,10 +489,10 @@ class LlamaModel:
                     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                                          enable_gqa=True)
                 attn[rows] = out[0].transpose(0, 1)
-            x = x + F.linear(attn.view(n, cfg.q_dim), layer.wo)
+            x = x + linear(attn.view(n, cfg.q_dim), layer.wo, "o")
             h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = linear(h, layer.w_gate_up, "gate_up").chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.w_down, "down")
         return rms_norm(x, w.norm, cfg.norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -397,8 +520,8 @@ class LlamaModel:
         tokens = torch.tensor(token_ids + [0] * pad, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.device)
         segments = [Segment(kv, row, 1, positions[row]) for row, kv in enumerate(kvs)]
-        hidden = self.forward(tokens, pos, segments)
-        return self.logits(hidden)[:count]
+        hidden = self.forward(tokens, pos, segments, decode=True)
+        return self._decode_linear(hidden, self.weights.lm_head, "lm_head")[:count].float()
 
 
 def prefill_windows(start: int, num_tokens: int) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ from pdmesh.services.engine.model import (
     default_dtype,
     prefill_windows,
 )
+from pdmesh.services.engine.native import DecodeAttention
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class PagedSegmentsKV:
             num_pages = pages_for(length, size)
             gather.append(lease_pages[:num_pages])
             self.lengths.append(length)
+        self.gather = gather
         row_index = np.concatenate(rows)
         self.rows: slice | torch.Tensor = slice(0, len(row_index))
         if not np.array_equal(row_index, np.arange(len(row_index))):
@@ -121,6 +123,14 @@ class PagedSegmentsKV:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.slots_view.index_put_((self.k_slots[layer],), k[self.rows])
         self.slots_view.index_put_((self.v_slots[layer],), v[self.rows])
+
+    def decode_attention(self) -> DecodeAttention:
+        """The pool in place: page `p` of a request starts p * page_stride floats in."""
+        tensor = self.tensor
+        page_stride = tensor[0].numel()
+        return DecodeAttention([tensor.data_ptr()] * len(self.gather), [tensor.shape[3]]
+                               * len(self.gather), [page_stride] * len(self.gather),
+                               self.gather, self.lengths, [tensor])
 
     def read(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         shape = (2, -1, *self.tensor.shape[-2:])  # K/V, tokens, kv_heads, head_dim

@@ -202,8 +202,8 @@ def test_decode_pads_to_the_smallest_tile_that_holds_the_batch(tiny, monkeypatch
     model = ReferenceEngine(tiny).model
     seen = []
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda tokens, *a: seen.append(len(tokens))
-                        or forward(tokens, *a))
+    monkeypatch.setattr(model, "forward", lambda tokens, *a, **kw: seen.append(len(tokens))
+                        or forward(tokens, *a, **kw))
     caches = [ContiguousKV(tiny.config, 8, model.device) for _ in range(DECODE_TILE)]
     for count in (1, 4, 5, 8, 9, 16):
         model.decode_tile(caches[:count], [1] * count, [0] * count)

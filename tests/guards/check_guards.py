@@ -138,6 +138,18 @@ MUTATIONS = [
              "                self._check_pages(lease, first, last, shared_ok=False)\n",
              "",
              ("tests/kvstore",)),
+    # The native decode attention reads K/V in place through each request's page table:
+    # hand every request the last request's pages (a cross-request read, the incident's
+    # class of bug) and the oracle tests must see it.
+    Mutation("native-page-table", "native decode attention reads only the request's own "
+             "pages (I3, I4)",
+             "services/engine/runner.py",
+             "                               self.gather, self.lengths, [tensor])",
+             "                               [self.gather[-1]] * len(self.gather), self.lengths,"
+             " [tensor])",
+             ("tests/engine/test_engine_isolation.py::"
+              "test_paged_decode_logits_bits_equal_reference_alone_and_batched",
+              "tests/engine/test_engine_isolation.py::test_disaggregated_equals_reference")),
     # Prefill's Release and the gateway's Abort both free decode at once: remove both.
     Mutation("release-on-reject", "a rejection on one side frees the other at once (I6)",
              "services/prefill/service.py",

@@ -1,0 +1,208 @@
+/* Paged decode attention for pdmesh's CPU engine (issue 17, change 7 in ../README.md).
+ *
+ * One decode row per request: its query heads attend over the request's own K/V, read
+ * where they lie (a page table into the KV pool, or one contiguous cache), with no gather
+ * copy. Every (request, KV head) pair is computed start to end by one thread in a fixed
+ * order that depends only on the request's length and the head geometry, so a request's
+ * bits never depend on the batch, on which thread ran it, or on how its pages are laid out
+ * (paged engine and contiguous reference engine get the same bits: invariant I4).
+ *
+ * Layout of one page (or of a contiguous cache with page_tokens = its capacity and one
+ * page): [layers][2 (K, V)][page_tokens][kv_heads][head_dim] floats.
+ *
+ * Built by services/engine/native.py with the machine's C compiler (-fopenmp); no libm.
+ */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+
+typedef struct {
+    int64_t n_seg, layer, kv_heads, group, head_dim;
+    const int64_t *bases;        /* per segment: address of its storage (floats) */
+    const int64_t *page_tokens;  /* per segment: tokens per page */
+    const int64_t *page_stride;  /* per segment: floats between pages */
+    const int64_t *page_start;   /* n_seg + 1 offsets into pages */
+    const int64_t *pages;        /* page ids */
+    const int64_t *lengths;      /* per segment: keys to attend over */
+    const float *q;              /* [n_seg][kv_heads * group][head_dim] */
+    float *out;                  /* same shape as q */
+    float scale;
+} job_t;
+
+/* 8 floats, loaded and stored unaligned: AVX on x86-64, two SSE halves or NEON elsewhere */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#define MAX_GROUP 16
+#define MAX_CHUNKS 32 /* head_dim <= 256, a multiple of 8 */
+#define MAX_HEADS 256 /* query heads */
+
+static inline float hsum8(v8 a) {
+    /* a fixed tree over the 8 lanes */
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+static inline float lane_sum(const float *acc) {
+    /* fixed pairwise tree over the 16 lanes */
+    float t[8];
+    for (int j = 0; j < 8; j++) t[j] = acc[j] + acc[j + 8];
+    for (int j = 0; j < 4; j++) t[j] = t[j] + t[j + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+/* exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial after reducing by
+ * ln 2; written without library calls so the compiler vectorizes the loop. */
+static void exp_inplace(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i] < -87.0f ? -87.0f : x[i];
+        float k = (float)(int32_t)(v * 1.44269504088896341f - 0.5f);
+        float r = v - k * 0.693359375f;
+        r = r - k * -2.12194440e-4f;
+        float p = 1.9875691500e-4f;
+        p = p * r + 1.3981999507e-3f;
+        p = p * r + 8.3334519073e-3f;
+        p = p * r + 4.1665795894e-2f;
+        p = p * r + 1.6666665459e-1f;
+        p = p * r + 5.0000001201e-1f;
+        p = p * r * r + r + 1.0f;
+        int32_t bits = ((int32_t)k + 127) << 23;
+        float two_k;
+        memcpy(&two_k, &bits, sizeof two_k);
+        x[i] = p * two_k;
+    }
+}
+
+/* One request, every KV head: the body is inlined with constant (group, chunks) for the
+ * common head shapes so that a head's queries and accumulators live in registers (the
+ * arithmetic, hence the bits, is the same either way). K and V are walked page by page: a
+ * page's block of one layer (page_tokens x kv_heads x head_dim floats, contiguous) comes
+ * from memory once and is then read from L1 for each KV head. */
+static inline __attribute__((always_inline)) void
+attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t group,
+            const int64_t chunks) {
+    const int64_t hd = chunks * 8, kv_heads = job->kv_heads, kvw = kv_heads * hd;
+    const int64_t length = job->lengths[seg], ptok = job->page_tokens[seg];
+    const int64_t stride = job->page_stride[seg];
+    const float *base = (const float *)(intptr_t)job->bases[seg];
+    const int64_t *pages = job->pages + job->page_start[seg];
+    const int64_t k_off = job->layer * 2 * ptok * kvw, v_off = k_off + ptok * kvw;
+    const float *q = job->q + seg * kv_heads * group * hd;
+    float *out = job->out + seg * kv_heads * group * hd;
+    const float scale = job->scale;
+
+    /* scores[(h * group + g) * length + t] = q . k * scale */
+    for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
+        const float *kp = base + pages[pi] * stride + k_off;
+        const int64_t n = length - first < ptok ? length - first : ptok;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            v8 qv[MAX_GROUP][MAX_CHUNKS];
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < chunks; c++)
+                    qv[g][c] = *(const v8 *)(q + (h * group + g) * hd + 8 * c);
+            float *sc = scores + h * group * length + first;
+            for (int64_t s = 0; s < n; s++) {
+                const float *k = kp + s * kvw + h * hd;
+                v8 acc[MAX_GROUP];
+                for (int64_t g = 0; g < group; g++) acc[g] = (v8){0};
+                for (int64_t c = 0; c < chunks; c++) {
+                    const v8 kc = *(const v8 *)(k + 8 * c);
+                    for (int64_t g = 0; g < group; g++) acc[g] += qv[g][c] * kc;
+                }
+                for (int64_t g = 0; g < group; g++) sc[g * length + s] = hsum8(acc[g]) * scale;
+            }
+        }
+    }
+    float inv_sum[MAX_HEADS];
+    for (int64_t r = 0; r < kv_heads * group; r++) {
+        float *s = scores + r * length;
+        float top = s[0];
+        for (int64_t t = 1; t < length; t++) top = s[t] > top ? s[t] : top;
+        for (int64_t t = 0; t < length; t++) s[t] -= top;
+        exp_inplace(s, length);
+        float acc[LANES] = {0};
+        int64_t t = 0;
+        for (; t + LANES <= length; t += LANES)
+            for (int j = 0; j < LANES; j++) acc[j] += s[t + j];
+        for (int j = 0; t < length; t++, j++) acc[j] += s[t];
+        inv_sum[r] = 1.0f / lane_sum(acc);
+    }
+    /* out = sum_t p_t v_t / sum_t p_t, accumulated in `out` between pages */
+    for (int64_t i = 0; i < kv_heads * group * hd; i++) out[i] = 0.0f;
+    for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
+        const float *vp = base + pages[pi] * stride + v_off;
+        const int64_t n = length - first < ptok ? length - first : ptok;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            v8 ov[MAX_GROUP][MAX_CHUNKS];
+            float *o = out + h * group * hd;
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < chunks; c++) ov[g][c] = *(v8 *)(o + g * hd + 8 * c);
+            const float *sc = scores + h * group * length + first;
+            for (int64_t s = 0; s < n; s++) {
+                const float *v = vp + s * kvw + h * hd;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const v8 vc = *(const v8 *)(v + 8 * c);
+                    for (int64_t g = 0; g < group; g++) ov[g][c] += sc[g * length + s] * vc;
+                }
+            }
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t c = 0; c < chunks; c++) *(v8 *)(o + g * hd + 8 * c) = ov[g][c];
+        }
+    }
+    for (int64_t r = 0; r < kv_heads * group; r++)
+        for (int64_t d = 0; d < hd; d++) out[r * hd + d] *= inv_sum[r];
+}
+
+static void attend_one(const job_t *job, int64_t seg, float *restrict scores) {
+    const int64_t group = job->group, chunks = job->head_dim / 8;
+#define SHAPE(G, C) if (group == G && chunks == C) { attend_body(job, seg, scores, G, C); return; }
+#define SHAPES(C) SHAPE(1, C) SHAPE(2, C) SHAPE(3, C) SHAPE(4, C) SHAPE(5, C) SHAPE(6, C) \
+    SHAPE(7, C) SHAPE(8, C)
+    SHAPES(4) SHAPES(8) SHAPES(16)
+#undef SHAPES
+#undef SHAPE
+    attend_body(job, seg, scores, group, chunks);
+}
+
+/* Returns 0 on success, -1 on bad arguments or no memory (nothing written then). */
+int pd_decode_attention(int64_t n_seg, int64_t layer, int64_t kv_heads, int64_t group,
+                        int64_t head_dim, const int64_t *bases, const int64_t *page_tokens,
+                        const int64_t *page_stride, const int64_t *page_start,
+                        const int64_t *pages, const int64_t *lengths, const float *q,
+                        float *out, float scale, int64_t threads) {
+    if (n_seg <= 0 || kv_heads <= 0 || group <= 0 || group > MAX_GROUP || head_dim <= 0
+        || kv_heads * group > MAX_HEADS
+        || head_dim % 8 != 0 || head_dim > 8 * MAX_CHUNKS)
+        return -1;
+    int64_t max_length = 1;
+    for (int64_t s = 0; s < n_seg; s++) {
+        if (lengths[s] <= 0 || page_tokens[s] <= 0) return -1;
+        if ((lengths[s] + page_tokens[s] - 1) / page_tokens[s]
+            > page_start[s + 1] - page_start[s]) return -1;
+        if (lengths[s] > max_length) max_length = lengths[s];
+    }
+    if (threads < 1) threads = 1;
+    if (threads > n_seg) threads = n_seg;
+    const int64_t per_thread = kv_heads * group * max_length;
+    float *scratch = malloc(sizeof(float) * per_thread * threads);
+    if (!scratch) return -1;
+    job_t job = {n_seg, layer, kv_heads, group, head_dim, bases, page_tokens, page_stride,
+                 page_start, pages, lengths, q, out, scale};
+    /* Each request is computed by one thread start to end: its bits do not depend on the
+     * thread count or the schedule. With OpenMP (torch's own runtime: the library is
+     * loaded into a process that has it) the threads are torch's pool, not extra ones
+     * competing with it for the cores. */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t seg = 0; seg < n_seg; seg++) {
+#ifdef _OPENMP
+        float *mine = scratch + per_thread * omp_get_thread_num();
+#else
+        float *mine = scratch;
+#endif
+        attend_one(&job, seg, mine);
+    }
+    free(scratch);
+    return 0;
+}

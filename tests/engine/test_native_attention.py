@@ -1,0 +1,140 @@
+"""The native paged decode attention (services/engine/native.py): close to torch's SDPA,
+bit for bit the same for a request whatever its batch, its page layout or the thread
+count (I4 rests on it), and clear about what it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdmesh.services.engine import native
+from pdmesh.services.engine.model import LlamaModel, columns_agree, tiles_agree, wide_agrees
+from pdmesh.services.engine.native import DecodeAttention, NativeUnavailable
+
+pytestmark = pytest.mark.skipif(native.setting() == "off", reason="PDMESH_NATIVE_ATTENTION=off")
+
+# (layers, kv_heads, group, head_dim): tiny's, SmolLM2's, and an odd small one.
+GEOMETRIES = [(4, 2, 4, 32), (30, 3, 3, 64), (2, 1, 1, 8)]
+LENGTHS = [1, 15, 16, 17, 100, 513]
+PAGE = 16
+
+
+def _pool(layers: int, kv_heads: int, head_dim: int, pages: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(pages, layers, 2, PAGE, kv_heads, head_dim, generator=gen)
+
+
+def _scattered(lengths: list[int], pages: int, seed: int) -> list[np.ndarray]:
+    """Each request's pages, disjoint, in a random order across the pool."""
+    order = np.random.default_rng(seed).permutation(pages)
+    out, used = [], 0
+    for length in lengths:
+        count = -(-length // PAGE)
+        out.append(order[used:used + count])
+        used += count
+    return out
+
+
+def _paged(pool: torch.Tensor, page_lists: list[np.ndarray], lengths: list[int]
+           ) -> DecodeAttention:
+    n = len(lengths)
+    return DecodeAttention([pool.data_ptr()] * n, [PAGE] * n, [pool[0].numel()] * n,
+                           page_lists, lengths, [pool])
+
+
+def test_it_builds_on_this_machine() -> None:
+    assert native.available()
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_it_computes_attention_over_each_requests_own_pages(geometry) -> None:
+    layers, kv_heads, group, head_dim = geometry
+    pages = sum(-(-n // PAGE) for n in LENGTHS) + 5
+    pool = _pool(layers, kv_heads, head_dim, pages, seed=1)
+    page_lists = _scattered(LENGTHS, pages, seed=2)
+    q = torch.randn(len(LENGTHS), kv_heads * group, head_dim)
+    attend = _paged(pool, page_lists, LENGTHS)
+    for layer in {0, layers - 1}:
+        out = attend(layer, q, kv_heads, head_dim)
+        for i, length in enumerate(LENGTHS):
+            kv = pool[torch.from_numpy(page_lists[i]), layer]  # [pages, 2, PAGE, kvh, hd]
+            keys = kv[:, 0].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)
+            values = kv[:, 1].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)
+            expected = F.scaled_dot_product_attention(
+                q[i].view(kv_heads, group, head_dim), keys, values)
+            torch.testing.assert_close(out[i], expected.reshape(-1, head_dim),
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES[:2])
+def test_a_requests_bits_do_not_depend_on_batch_layout_or_threads(geometry) -> None:
+    """Alone, in a batch, from scattered pages or from one contiguous cache, at 1 or 2
+    threads: the same bits (the reference engine reads a contiguous cache, I4)."""
+    layers, kv_heads, group, head_dim = geometry
+    pages = sum(-(-n // PAGE) for n in LENGTHS) + 3
+    pool = _pool(layers, kv_heads, head_dim, pages, seed=3)
+    page_lists = _scattered(LENGTHS, pages, seed=4)
+    q = torch.randn(len(LENGTHS), kv_heads * group, head_dim)
+    layer = layers - 1
+    batched = _paged(pool, page_lists, LENGTHS)(layer, q, kv_heads, head_dim)
+    threads = torch.get_num_threads()
+    try:
+        for i, length in enumerate(LENGTHS):
+            alone = _paged(pool, [page_lists[i]], [length])(layer, q[i:i + 1], kv_heads,
+                                                             head_dim)
+            assert torch.equal(alone[0], batched[i]), length
+            # The same K/V as a contiguous cache [layers, 2, capacity, kvh, hd], one page.
+            capacity = length + 7
+            cache = torch.zeros(layers, 2, capacity, kv_heads, head_dim)
+            kv = pool[torch.from_numpy(page_lists[i])]  # [pages, layers, 2, PAGE, kvh, hd]
+            cache[:, :, :length] = kv.permute(1, 2, 0, 3, 4, 5).reshape(
+                layers, 2, -1, kv_heads, head_dim)[:, :, :length]
+            contiguous = DecodeAttention([cache.data_ptr()], [capacity], [0],
+                                         [np.zeros(1, np.int64)], [length], [cache])
+            assert torch.equal(contiguous(layer, q[i:i + 1], kv_heads, head_dim)[0],
+                               batched[i]), length
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(_paged(pool, page_lists, LENGTHS)(layer, q, kv_heads, head_dim),
+                           batched)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_arguments_it_cannot_serve_are_refused() -> None:
+    pool = _pool(1, 1, 8, 4, seed=5)
+    q = torch.randn(1, 1, 8)
+    with pytest.raises(ValueError, match="refused"):  # 40 tokens need 3 pages, 2 given
+        _paged(pool, [np.array([0, 1])], [40])(0, q, 1, 8)
+    with pytest.raises(ValueError, match="refused"):  # head_dim not a multiple of 8
+        _paged(pool, [np.array([0])], [4])(0, torch.randn(1, 1, 6), 1, 6)
+
+
+def test_the_setting_and_a_missing_compiler_are_clear(monkeypatch) -> None:
+    monkeypatch.setenv(native.SETTING, "fast")
+    with pytest.raises(ValueError, match="auto, on or off"):
+        native.setting()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(NativeUnavailable, match="no C compiler"):
+        native._build()
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("PDMESH_CACHE_DIR", "/tmp/pdmesh-test-native-cache-false")
+    with pytest.raises(NativeUnavailable, match="failed"):
+        native._build()
+
+
+def test_the_decode_matmul_plan_is_checked_on_this_machine(tiny) -> None:
+    """Decode runs qkv, o and lm_head in the columns orientation only because, here, its
+    4..8-row GEMMs agree bit for bit; the check can fail (1-3 rows and 12 rows take other
+    kernels), and the 16-row columns GEMM equals the rows one."""
+    shapes = [(768, 256), (256, 768), (258, 256)]
+    cpu = torch.device("cpu")
+    assert columns_agree(shapes, (4, 8), cpu, torch.float32)
+    assert not columns_agree(shapes, (1,), cpu, torch.float32)
+    assert not columns_agree(shapes, (4, 12), cpu, torch.float32)
+    assert wide_agrees(shapes, cpu, torch.float32)
+    assert tiles_agree(shapes, (4, 8, 16), cpu, torch.float32)
+    plan = LlamaModel(tiny.config, tiny.weights).decode_plan
+    assert plan.tiles == (4, 8, 16) and plan.wide_columns
+    assert plan.column_roles == {"qkv", "o", "lm_head"}
