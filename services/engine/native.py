@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC", "-fopenmp")
 SETTING = "PDMESH_NATIVE_ATTENTION"
 _I64 = ctypes.POINTER(ctypes.c_int64)
 

@@ -21,17 +21,19 @@ LENGTHS = [1, 15, 16, 17, 100, 513]
 PAGE = 16
 
 
-def _pool(layers: int, kv_heads: int, head_dim: int, pages: int, seed: int) -> torch.Tensor:
+def _pool(layers: int, kv_heads: int, head_dim: int, pages: int, seed: int,
+          page: int = PAGE) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(pages, layers, 2, PAGE, kv_heads, head_dim, generator=gen)
+    return torch.randn(pages, layers, 2, page, kv_heads, head_dim, generator=gen)
 
 
-def _scattered(lengths: list[int], pages: int, seed: int) -> list[np.ndarray]:
+def _scattered(lengths: list[int], pages: int, seed: int, page: int = PAGE
+               ) -> list[np.ndarray]:
     """Each request's pages, disjoint, in a random order across the pool."""
     order = np.random.default_rng(seed).permutation(pages)
     out, used = [], 0
     for length in lengths:
-        count = -(-length // PAGE)
+        count = -(-length // page)
         out.append(order[used:used + count])
         used += count
     return out
@@ -39,8 +41,8 @@ def _scattered(lengths: list[int], pages: int, seed: int) -> list[np.ndarray]:
 
 def _paged(pool: torch.Tensor, page_lists: list[np.ndarray], lengths: list[int]
            ) -> DecodeAttention:
-    n = len(lengths)
-    return DecodeAttention([pool.data_ptr()] * n, [PAGE] * n, [pool[0].numel()] * n,
+    n, page = len(lengths), pool.shape[3]
+    return DecodeAttention([pool.data_ptr()] * n, [page] * n, [pool[0].numel()] * n,
                            page_lists, lengths, [pool])
 
 
@@ -68,14 +70,16 @@ def test_it_computes_attention_over_each_requests_own_pages(geometry) -> None:
                                        rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("geometry", GEOMETRIES[:2])
-def test_a_requests_bits_do_not_depend_on_batch_layout_or_threads(geometry) -> None:
+@pytest.mark.parametrize(("geometry", "page"), [(GEOMETRIES[0], PAGE), (GEOMETRIES[1], PAGE),
+                                                 (GEOMETRIES[1], 5), (GEOMETRIES[0], 12)])
+def test_a_requests_bits_do_not_depend_on_batch_layout_or_threads(geometry, page) -> None:
     """Alone, in a batch, from scattered pages or from one contiguous cache, at 1 or 2
-    threads: the same bits (the reference engine reads a contiguous cache, I4)."""
+    threads: the same bits (the reference engine reads a contiguous cache, I4). Pages of 5
+    and 12 tokens split the kernel's 8-token blocks elsewhere than a contiguous cache does."""
     layers, kv_heads, group, head_dim = geometry
-    pages = sum(-(-n // PAGE) for n in LENGTHS) + 3
-    pool = _pool(layers, kv_heads, head_dim, pages, seed=3)
-    page_lists = _scattered(LENGTHS, pages, seed=4)
+    pages = sum(-(-n // page) for n in LENGTHS) + 3
+    pool = _pool(layers, kv_heads, head_dim, pages, seed=3, page=page)
+    page_lists = _scattered(LENGTHS, pages, seed=4, page=page)
     q = torch.randn(len(LENGTHS), kv_heads * group, head_dim)
     layer = layers - 1
     batched = _paged(pool, page_lists, LENGTHS)(layer, q, kv_heads, head_dim)

@@ -40,9 +40,25 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
 #define MAX_CHUNKS 32 /* head_dim <= 256, a multiple of 8 */
 #define MAX_HEADS 256 /* query heads */
 
-static inline float hsum8(v8 a) {
-    /* a fixed tree over the 8 lanes */
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+typedef int v8i __attribute__((vector_size(32)));
+
+/* pair(a, b): lanes [a0+a1, b0+b1, a2+a3, b2+b3, a4+a5, b4+b5, a6+a7, b6+b7] */
+static inline v8 pair_sums(v8 a, v8 b) {
+    return __builtin_shuffle(a, b, (v8i){0, 8, 2, 10, 4, 12, 6, 14})
+           + __builtin_shuffle(a, b, (v8i){1, 9, 3, 11, 5, 13, 7, 15});
+}
+
+/* Lane j of the result is the sum of the 8 lanes of a[j], always in the same tree
+ * ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)), whatever the other vectors hold. */
+static inline v8 transpose_sums(const v8 *a) {
+    const v8 b0 = pair_sums(a[0], a[1]), b1 = pair_sums(a[2], a[3]);
+    const v8 b2 = pair_sums(a[4], a[5]), b3 = pair_sums(a[6], a[7]);
+    const v8 c0 = __builtin_shuffle(b0, b1, (v8i){0, 1, 8, 9, 4, 5, 12, 13})
+                  + __builtin_shuffle(b0, b1, (v8i){2, 3, 10, 11, 6, 7, 14, 15});
+    const v8 c1 = __builtin_shuffle(b2, b3, (v8i){0, 1, 8, 9, 4, 5, 12, 13})
+                  + __builtin_shuffle(b2, b3, (v8i){2, 3, 10, 11, 6, 7, 14, 15});
+    return __builtin_shuffle(c0, c1, (v8i){0, 1, 2, 3, 8, 9, 10, 11})
+           + __builtin_shuffle(c0, c1, (v8i){4, 5, 6, 7, 12, 13, 14, 15});
 }
 
 static inline float lane_sum(const float *acc) {
@@ -53,26 +69,34 @@ static inline float lane_sum(const float *acc) {
     return (t[0] + t[2]) + (t[1] + t[3]);
 }
 
+/* Ask for `floats` floats from `p` on, one cache line at a time (a page's block of one
+ * layer is contiguous; the hardware prefetcher stops at every 4 KiB boundary). */
+static inline void prefetch_block(const float *p, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+static inline v8 vmax(v8 a, v8 b) {
+    const v8i take_a = a > b;
+    return (v8)(((v8i)a & take_a) | ((v8i)b & ~take_a));
+}
+
 /* exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial after reducing by
- * ln 2; written without library calls so the compiler vectorizes the loop. */
-static void exp_inplace(float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i] < -87.0f ? -87.0f : x[i];
-        float k = (float)(int32_t)(v * 1.44269504088896341f - 0.5f);
-        float r = v - k * 0.693359375f;
-        r = r - k * -2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * r * r + r + 1.0f;
-        int32_t bits = ((int32_t)k + 127) << 23;
-        float two_k;
-        memcpy(&two_k, &bits, sizeof two_k);
-        x[i] = p * two_k;
-    }
+ * ln 2, eight lanes at a time, no library call. */
+static inline v8 exp8(v8 x) {
+    const v8 lo = (v8){0} - 87.0f;
+    x = vmax(x, lo);
+    const v8i ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
+    const v8 k = __builtin_convertvector(ki, v8);
+    v8 r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    v8 p = (v8){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v8)((ki + 127) << 23);
 }
 
 /* One request, every KV head: the body is inlined with constant (group, chunks) for the
@@ -92,59 +116,89 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     const float *q = job->q + seg * kv_heads * group * hd;
     float *out = job->out + seg * kv_heads * group * hd;
     const float scale = job->scale;
+    const int64_t stride_s = (length + 15) / 16 * 16;  /* a score row, padded */
 
-    /* scores[(h * group + g) * length + t] = q . k * scale */
+    /* scores[(h * group + g) * stride_s + t] = q . k * scale */
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
         const float *kp = base + pages[pi] * stride + k_off;
         const int64_t n = length - first < ptok ? length - first : ptok;
+        if (first + ptok < length)  /* the next page's K block, while this one computes */
+            prefetch_block(base + pages[pi + 1] * stride + k_off,
+                           (length - first - ptok < ptok ? length - first - ptok : ptok) * kvw);
         for (int64_t h = 0; h < kv_heads; h++) {
             v8 qv[MAX_GROUP][MAX_CHUNKS];
             for (int64_t g = 0; g < group; g++)
                 for (int64_t c = 0; c < chunks; c++)
                     qv[g][c] = *(const v8 *)(q + (h * group + g) * hd + 8 * c);
-            float *sc = scores + h * group * length + first;
-            for (int64_t s = 0; s < n; s++) {
-                const float *k = kp + s * kvw + h * hd;
-                v8 acc[MAX_GROUP];
-                for (int64_t g = 0; g < group; g++) acc[g] = (v8){0};
-                for (int64_t c = 0; c < chunks; c++) {
-                    const v8 kc = *(const v8 *)(k + 8 * c);
-                    for (int64_t g = 0; g < group; g++) acc[g] += qv[g][c] * kc;
+            const float *kh = kp + h * hd;
+            float *sc = scores + h * group * stride_s + first;
+            /* 8 tokens at a time: 8 independent accumulators per query row, then one
+             * transposed reduction; one code path, so a token's dot is the same wherever
+             * its block starts */
+            for (int64_t s0 = 0; s0 < n; s0 += 8) {
+                const int64_t m = n - s0 < 8 ? n - s0 : 8;
+                for (int64_t g = 0; g < group; g++) {
+                    v8 acc[8];
+                    const float *row[8];
+                    for (int j = 0; j < 8; j++) {
+                        acc[j] = (v8){0};  /* a tail block reads its last row again */
+                        row[j] = kh + (s0 + (j < m ? j : m - 1)) * kvw;
+                    }
+                    for (int64_t c = 0; c < chunks; c++)
+                        for (int j = 0; j < 8; j++)
+                            acc[j] += qv[g][c] * *(const v8 *)(row[j] + 8 * c);
+                    const v8 dots = transpose_sums(acc) * scale;
+                    for (int64_t j = 0; j < m; j++) sc[g * stride_s + s0 + j] = dots[j];
                 }
-                for (int64_t g = 0; g < group; g++) sc[g * length + s] = hsum8(acc[g]) * scale;
             }
         }
     }
     float inv_sum[MAX_HEADS];
     for (int64_t r = 0; r < kv_heads * group; r++) {
-        float *s = scores + r * length;
-        float top = s[0];
-        for (int64_t t = 1; t < length; t++) top = s[t] > top ? s[t] : top;
-        for (int64_t t = 0; t < length; t++) s[t] -= top;
-        exp_inplace(s, length);
-        float acc[LANES] = {0};
-        int64_t t = 0;
-        for (; t + LANES <= length; t += LANES)
-            for (int j = 0; j < LANES; j++) acc[j] += s[t + j];
-        for (int j = 0; t < length; t++, j++) acc[j] += s[t];
-        inv_sum[r] = 1.0f / lane_sum(acc);
+        float *s = scores + r * stride_s;
+        for (int64_t t = length; t < stride_s; t++) s[t] = s[length - 1];  /* pad */
+        v8 top = *(v8 *)s;
+        for (int64_t t = 8; t < stride_s; t += 8) top = vmax(top, *(v8 *)(s + t));
+        float m = top[0];
+        for (int j = 1; j < 8; j++) m = top[j] > m ? top[j] : m;
+        v8 acc0 = (v8){0}, acc1 = (v8){0};
+        for (int64_t t = 0; t < stride_s; t += 16) {
+            v8 e0 = exp8(*(v8 *)(s + t) - m), e1 = exp8(*(v8 *)(s + t + 8) - m);
+            if (t + 16 > length) {  /* the padding weighs nothing */
+                for (int j = 0; j < 8; j++) {
+                    if (t + j >= length) e0[j] = 0.0f;
+                    if (t + 8 + j >= length) e1[j] = 0.0f;
+                }
+            }
+            *(v8 *)(s + t) = e0;
+            *(v8 *)(s + t + 8) = e1;
+            acc0 += e0;
+            acc1 += e1;
+        }
+        float lanes[LANES];
+        memcpy(lanes, &acc0, sizeof acc0);
+        memcpy(lanes + 8, &acc1, sizeof acc1);
+        inv_sum[r] = 1.0f / lane_sum(lanes);
     }
     /* out = sum_t p_t v_t / sum_t p_t, accumulated in `out` between pages */
     for (int64_t i = 0; i < kv_heads * group * hd; i++) out[i] = 0.0f;
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
         const float *vp = base + pages[pi] * stride + v_off;
         const int64_t n = length - first < ptok ? length - first : ptok;
+        if (first + ptok < length)
+            prefetch_block(base + pages[pi + 1] * stride + v_off,
+                           (length - first - ptok < ptok ? length - first - ptok : ptok) * kvw);
         for (int64_t h = 0; h < kv_heads; h++) {
             v8 ov[MAX_GROUP][MAX_CHUNKS];
             float *o = out + h * group * hd;
             for (int64_t g = 0; g < group; g++)
                 for (int64_t c = 0; c < chunks; c++) ov[g][c] = *(v8 *)(o + g * hd + 8 * c);
-            const float *sc = scores + h * group * length + first;
+            const float *sc = scores + h * group * stride_s + first;
             for (int64_t s = 0; s < n; s++) {
                 const float *v = vp + s * kvw + h * hd;
                 for (int64_t c = 0; c < chunks; c++) {
                     const v8 vc = *(const v8 *)(v + 8 * c);
-                    for (int64_t g = 0; g < group; g++) ov[g][c] += sc[g * length + s] * vc;
+                    for (int64_t g = 0; g < group; g++) ov[g][c] += sc[g * stride_s + s] * vc;
                 }
             }
             for (int64_t g = 0; g < group; g++)
@@ -176,12 +230,12 @@ int pd_decode_attention(int64_t n_seg, int64_t layer, int64_t kv_heads, int64_t 
         || kv_heads * group > MAX_HEADS
         || head_dim % 8 != 0 || head_dim > 8 * MAX_CHUNKS)
         return -1;
-    int64_t max_length = 1;
+    int64_t max_length = 16;
     for (int64_t s = 0; s < n_seg; s++) {
         if (lengths[s] <= 0 || page_tokens[s] <= 0) return -1;
         if ((lengths[s] + page_tokens[s] - 1) / page_tokens[s]
             > page_start[s + 1] - page_start[s]) return -1;
-        if (lengths[s] > max_length) max_length = lengths[s];
+        if ((lengths[s] + 15) / 16 * 16 > max_length) max_length = (lengths[s] + 15) / 16 * 16;
     }
     if (threads < 1) threads = 1;
     if (threads > n_seg) threads = n_seg;
