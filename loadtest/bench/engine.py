@@ -74,10 +74,11 @@ def dense_forward(config: ModelConfig, w: ModelWeights, token_ids: torch.Tensor,
         h = rms_norm(x, layer.attn_norm, config.norm_eps)
         q, k, v = F.linear(h, layer.wq), F.linear(h, layer.wk), F.linear(h, layer.wv)
         if attention:
-            q = F.scaled_dot_product_attention(
-                q.view(n, heads, hd).transpose(0, 1), k.view(n, kv_heads, hd).transpose(0, 1),
-                v.view(n, kv_heads, hd).transpose(0, 1), is_causal=True, enable_gqa=True,
-            ).transpose(0, 1).reshape(n, heads * hd)
+            q = F.scaled_dot_product_attention(  # [1, heads, n, hd]: the flash kernel
+                q.view(1, n, heads, hd).transpose(1, 2),
+                k.view(1, n, kv_heads, hd).transpose(1, 2),
+                v.view(1, n, kv_heads, hd).transpose(1, 2), is_causal=True, enable_gqa=True,
+            )[0].transpose(0, 1).reshape(n, heads * hd)
         x = x + F.linear(q, layer.wo)
         h = rms_norm(x, layer.ffn_norm, config.norm_eps)
         x = x + F.linear(F.silu(F.linear(h, layer.w_gate)) * F.linear(h, layer.w_up),

@@ -122,9 +122,10 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
         const float *kp = base + pages[pi] * stride + k_off;
         const int64_t n = length - first < ptok ? length - first : ptok;
-        if (first + ptok < length)  /* the next page's K block, while this one computes */
-            prefetch_block(base + pages[pi + 1] * stride + k_off,
-                           (length - first - ptok < ptok ? length - first - ptok : ptok) * kvw);
+        if (first + 2 * ptok < length)
+            prefetch_block(base + pages[pi + 2] * stride + k_off, ptok * kvw);
+        if (pi == 0 && ptok < length)
+            prefetch_block(base + pages[1] * stride + k_off, ptok * kvw);
         for (int64_t h = 0; h < kv_heads; h++) {
             v8 qv[MAX_GROUP][MAX_CHUNKS];
             for (int64_t g = 0; g < group; g++)
@@ -185,9 +186,10 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
         const float *vp = base + pages[pi] * stride + v_off;
         const int64_t n = length - first < ptok ? length - first : ptok;
-        if (first + ptok < length)
-            prefetch_block(base + pages[pi + 1] * stride + v_off,
-                           (length - first - ptok < ptok ? length - first - ptok : ptok) * kvw);
+        if (first + 2 * ptok < length)
+            prefetch_block(base + pages[pi + 2] * stride + v_off, ptok * kvw);
+        if (pi == 0 && ptok < length)
+            prefetch_block(base + pages[1] * stride + v_off, ptok * kvw);
         for (int64_t h = 0; h < kv_heads; h++) {
             v8 ov[MAX_GROUP][MAX_CHUNKS];
             float *o = out + h * group * hd;
