@@ -219,7 +219,8 @@ class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, tag="reserve"):
 class ReserveCancel(msgspec.Struct, frozen=True, kw_only=True, tag="reserve_cancel"):
     """Admission -> the one decode worker it asked (on its reserve subject): the reserve
     with this ticket got no reply in time and the request went elsewhere (or was
-    rejected); free what it reserved, if anything, and tell no client: admission answers.
+    rejected), or its dispatch could not be sent (over NATS's max_payload); free what it
+    reserved, if anything, and tell no client: admission answers.
     `nonce` is the ticket's: a later reservation for the same request is not touched."""
 
     request_id: str

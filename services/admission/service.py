@@ -225,9 +225,11 @@ class AdmissionService:
                 headers=self.policy.dispatch_headers(headers))
         except nats.errors.MaxPayloadError as exc:
             # A NATS configured below the mesh's max_payload (services/natsauth.py): the
-            # submit fitted, its dispatch does not. Decode lets go now; the client learns why.
-            await self.rt.publish(m.release_subject(decode.worker_id), m.Release(
-                request_id=req.request_id, reservation_id=res.reservation.reservation_id,
+            # submit fitted, its dispatch does not. Decode lets go now, quietly: the client
+            # learns why from admission. On the reserve subject, which admission may publish
+            # to (a Release on the release subject is prefill's: NATS refused admission's).
+            await self.rt.publish(m.reserve_subject(decode.worker_id), m.ReserveCancel(
+                request_id=req.request_id, nonce=ticket.nonce,
                 outcome=m.Outcome(code=m.Code.INVALID, detail=str(exc))))
             return Rejected(m.Code.INVALID, "the prompt's dispatch exceeds this mesh's NATS "
                             f"max_payload ({self.rt.nc.max_payload} bytes): {exc}")

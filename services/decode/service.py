@@ -229,7 +229,8 @@ class DecodeService(WorkerBase):
         await self.rt.respond(msg, reply)
 
     async def _on_cancel(self, c: m.ReserveCancel) -> None:
-        """Admission gave up on a reservation it asked for (no reply in time): free it. The
+        """Admission gave up on a reservation it asked for (no reply in time, or a dispatch
+        it could not send): free it. The
         request is admission's to answer (it was sent elsewhere, or rejected): no event on
         its token stream, where a failure would end the request the other worker serves."""
         dreq = self.requests.get(c.request_id)

@@ -138,6 +138,20 @@ MUTATIONS = [
              "                self._check_pages(lease, first, last, shared_ok=False)\n",
              "",
              ("tests/kvstore",)),
+    # Admission frees the reservation of a request whose dispatch it cannot send on the
+    # reserve subject it may publish to; the old Release on prefill's subject was refused.
+    Mutation("payload-cancel", "a reservation whose dispatch exceeds NATS's max_payload is "
+             "freed at once under NATS auth (I6)",
+             "services/admission/service.py",
+             "            await self.rt.publish(m.reserve_subject(decode.worker_id), "
+             "m.ReserveCancel(\n"
+             "                request_id=req.request_id, nonce=ticket.nonce,\n"
+             "                outcome=m.Outcome(code=m.Code.INVALID, detail=str(exc))))",
+             "            await self.rt.publish(m.release_subject(decode.worker_id), m.Release(\n"
+             "                request_id=req.request_id, reservation_id=res.reservation."
+             "reservation_id,\n"
+             "                outcome=m.Outcome(code=m.Code.INVALID, detail=str(exc))))",
+             (ISO + "test_admission_payload.py",)),
     # The native decode attention reads K/V in place through each request's page table:
     # hand every request the last request's pages (a cross-request read, the incident's
     # class of bug) and the oracle tests must see it.
