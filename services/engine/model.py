@@ -228,7 +228,8 @@ class PerSegmentKV:
         caches = [seg.kv.cache for seg in self.segments]  # type: ignore[attr-defined]
         return DecodeAttention([c.data_ptr() for c in caches], [c.shape[2] for c in caches],
                                [0] * len(caches), [np.zeros(1, np.int64)] * len(caches),
-                               [seg.start_pos + seg.num_rows for seg in self.segments], caches)
+                               [seg.start_pos + seg.num_rows for seg in self.segments], caches,
+                               [1] * len(caches))
 
 
 class ContiguousKV:
@@ -317,8 +318,10 @@ def tiles_agree(shapes: list[tuple[int, int]], tiles: tuple[int, ...], device: t
 
 
 def _columns(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T computed as weight @ x^T (the columns orientation), [rows, out]."""
-    return torch.mm(weight, x.t()).t()
+    """x @ weight^T computed as weight @ x^T (the columns orientation), [rows, out]. x is
+    made contiguous first (a no-op for most callers): BLAS may take another kernel for
+    another operand layout, and the checks below run on contiguous rows."""
+    return torch.mm(weight, x.contiguous().t()).t()
 
 
 def columns_agree(shapes: list[tuple[int, int]], sizes: tuple[int, ...],

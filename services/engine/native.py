@@ -118,7 +118,15 @@ class DecodeAttention:
     address, page size, page stride, its page ids) fixed once, then one call per layer."""
 
     def __init__(self, bases: list[int], page_tokens: list[int], page_strides: list[int],
-                 pages: list[np.ndarray], lengths: list[int], keep: list[torch.Tensor]) -> None:
+                 pages: list[np.ndarray], lengths: list[int], keep: list[torch.Tensor],
+                 page_counts: list[int]) -> None:
+        """`page_counts[i]`: how many pages storage i has. The kernel reads through raw
+        addresses, so every page id is checked against it here (the engine's lease checks
+        ran before; this keeps a wrong page table from reading outside the storage)."""
+        for i, (ids, count) in enumerate(zip(pages, page_counts, strict=True)):
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= count):
+                raise ValueError(f"segment {i}: page ids outside its storage of {count} "
+                                 "pages")
         self._keep = keep  # the tensors the addresses point into stay alive
         self.n = len(bases)
         self.bases = np.asarray(bases, dtype=np.int64)

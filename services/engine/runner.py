@@ -130,7 +130,8 @@ class PagedSegmentsKV:
         page_stride = tensor[0].numel()
         return DecodeAttention([tensor.data_ptr()] * len(self.gather), [tensor.shape[3]]
                                * len(self.gather), [page_stride] * len(self.gather),
-                               self.gather, self.lengths, [tensor])
+                               self.gather, self.lengths, [tensor],
+                               [tensor.shape[0]] * len(self.gather))
 
     def read(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         shape = (2, -1, *self.tensor.shape[-2:])  # K/V, tokens, kv_heads, head_dim

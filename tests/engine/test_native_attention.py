@@ -43,7 +43,7 @@ def _paged(pool: torch.Tensor, page_lists: list[np.ndarray], lengths: list[int]
            ) -> DecodeAttention:
     n, page = len(lengths), pool.shape[3]
     return DecodeAttention([pool.data_ptr()] * n, [page] * n, [pool[0].numel()] * n,
-                           page_lists, lengths, [pool])
+                           page_lists, lengths, [pool], [pool.shape[0]] * n)
 
 
 def test_it_builds_on_this_machine() -> None:
@@ -96,7 +96,7 @@ def test_a_requests_bits_do_not_depend_on_batch_layout_or_threads(geometry, page
             cache[:, :, :length] = kv.permute(1, 2, 0, 3, 4, 5).reshape(
                 layers, 2, -1, kv_heads, head_dim)[:, :, :length]
             contiguous = DecodeAttention([cache.data_ptr()], [capacity], [0],
-                                         [np.zeros(1, np.int64)], [length], [cache])
+                                         [np.zeros(1, np.int64)], [length], [cache], [1])
             assert torch.equal(contiguous(layer, q[i:i + 1], kv_heads, head_dim)[0],
                                batched[i]), length
         torch.set_num_threads(1 if threads > 1 else 2)
@@ -113,6 +113,10 @@ def test_arguments_it_cannot_serve_are_refused() -> None:
         _paged(pool, [np.array([0, 1])], [40])(0, q, 1, 8)
     with pytest.raises(ValueError, match="refused"):  # head_dim not a multiple of 8
         _paged(pool, [np.array([0])], [4])(0, torch.randn(1, 1, 6), 1, 6)
+    with pytest.raises(ValueError, match="outside its storage of 4 pages"):
+        _paged(pool, [np.array([0, 4])], [20])
+    with pytest.raises(ValueError, match="outside its storage"):
+        _paged(pool, [np.array([-1])], [3])
 
 
 def test_the_setting_and_a_missing_compiler_are_clear(monkeypatch) -> None:
