@@ -374,9 +374,11 @@ MUTATIONS = [
              "decode worker alone (a broadcast Abort also ended the request where the retry "
              "placed it)",
              "services/admission/service.py",
+             "            # worker's failure event would end the client's request.)\n"
              "            await self.rt.publish(m.reserve_subject(decode.worker_id), "
              "m.ReserveCancel(\n"
              "                request_id=req.request_id, nonce=ticket.nonce,\n",
+             "            # worker's failure event would end the client's request.)\n"
              "            await self.rt.publish(m.ABORT_SUBJECT, m.Abort(\n"
              "                request_id=req.request_id,\n",
              ("tests/isolation/test_worker_loss.py::"
