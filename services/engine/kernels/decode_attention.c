@@ -2,7 +2,7 @@
  *
  * One decode row per request: its query heads attend over the request's own K/V, read
  * where they lie (a page table into the KV pool, or one contiguous cache), with no gather
- * copy. Every (request, KV head) pair is computed start to end by one thread in a fixed
+ * copy. Every request (all its KV heads) is computed start to end by one thread in a fixed
  * order that depends only on the request's length and the head geometry, so a request's
  * bits never depend on the batch, on which thread ran it, or on how its pages are laid out
  * (paged engine and contiguous reference engine get the same bits: invariant I4).
