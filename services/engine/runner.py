@@ -104,21 +104,31 @@ class PagedSegmentsKV:
         self.k_slots = torch.from_numpy(
             page_array[None, :] * (num_layers * 2 * size) + layer_step + offset_array).to(device)
         self.v_slots = self.k_slots + size
-        # Page rows in the view [pages * layers * 2, page_tokens * kv_heads * head_dim]:
-        # per layer and segment, the K rows of its pages, then their V rows.
-        layer_rows = 2 * np.arange(num_layers)[:, None]
-        self.page_rows = []
-        for pages_of_seg in gather:
-            k_rows = pages_of_seg[None, :] * (num_layers * 2) + layer_rows
-            self.page_rows.append(torch.from_numpy(
-                np.concatenate((k_rows, k_rows + 1), axis=1)).to(device))
         self.slots_view = tensor.view(-1, *tensor.shape[-2:])
         self.rows_view = tensor.view(-1, size * tensor.shape[-2] * tensor.shape[-1])
-        # One segment's K and V at a time, gathered just before its attention reads them
-        # (a request's layer is ~0.8 MB for smollm2 at 512 tokens: still in L2 when SDPA
-        # reads it; gathering the whole batch first was measured slower).
-        self.buffer = torch.empty(max(r.shape[1] for r in self.page_rows),
-                                  self.rows_view.shape[1], dtype=tensor.dtype, device=device)
+        self.num_layers, self.page_tokens = num_layers, size
+        self._gather_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None
+
+    def _gather_plan(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per segment, its page rows in the view [pages * layers * 2, page_tokens *
+        kv_heads * head_dim] (per layer, the K rows of its pages, then their V rows), and
+        one buffer for a segment's K and V. Built on the first `read`: a forward whose
+        decode attention runs natively never gathers."""
+        if self._gather_rows is None:
+            device = self.tensor.device
+            layer_rows = 2 * np.arange(self.num_layers)[:, None]
+            page_rows = []
+            for pages_of_seg in self.gather:
+                k_rows = pages_of_seg[None, :] * (self.num_layers * 2) + layer_rows
+                page_rows.append(torch.from_numpy(
+                    np.concatenate((k_rows, k_rows + 1), axis=1)).to(device))
+            # One segment's K and V at a time, gathered just before its attention reads
+            # them (a request's layer is ~0.8 MB for smollm2 at 512 tokens: still in L2
+            # when SDPA reads it; gathering the whole batch first was measured slower).
+            buffer = torch.empty(max(r.shape[1] for r in page_rows), self.rows_view.shape[1],
+                                 dtype=self.tensor.dtype, device=device)
+            self._gather_rows = (page_rows, buffer)
+        return self._gather_rows
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.slots_view.index_put_((self.k_slots[layer],), k[self.rows])
@@ -126,17 +136,16 @@ class PagedSegmentsKV:
 
     def decode_attention(self) -> DecodeAttention:
         """The pool in place: page `p` of a request starts p * page_stride floats in."""
-        tensor = self.tensor
-        page_stride = tensor[0].numel()
-        return DecodeAttention([tensor.data_ptr()] * len(self.gather), [tensor.shape[3]]
-                               * len(self.gather), [page_stride] * len(self.gather),
-                               self.gather, self.lengths, [tensor],
-                               [tensor.shape[0]] * len(self.gather))
+        tensor, n = self.tensor, len(self.gather)
+        return DecodeAttention([tensor.data_ptr()] * n, [self.page_tokens] * n,
+                               [tensor[0].numel()] * n, self.gather, self.lengths, [tensor],
+                               [tensor.shape[0]] * n)
 
     def read(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         shape = (2, -1, *self.tensor.shape[-2:])  # K/V, tokens, kv_heads, head_dim
-        for page_rows, length in zip(self.page_rows, self.lengths, strict=True):
-            buffer = self.buffer[:page_rows.shape[1]]
+        all_rows, whole = self._gather_plan()
+        for page_rows, length in zip(all_rows, self.lengths, strict=True):
+            buffer = whole[:page_rows.shape[1]]
             torch.index_select(self.rows_view, 0, page_rows[layer], out=buffer)
             keys, values = buffer.view(shape)[:, :length].transpose(1, 2).unsqueeze(1)
             yield keys, values

@@ -158,9 +158,8 @@ MUTATIONS = [
     Mutation("native-page-table", "native decode attention reads only the request's own "
              "pages (I3, I4)",
              "services/engine/runner.py",
-             "                               self.gather, self.lengths, [tensor],",
-             "                               [self.gather[-1]] * len(self.gather), self.lengths,"
-             " [tensor],",
+             "[tensor[0].numel()] * n, self.gather, self.lengths, [tensor],",
+             "[tensor[0].numel()] * n, [self.gather[-1]] * n, self.lengths, [tensor],",
              ("tests/engine/test_engine_isolation.py::"
               "test_paged_decode_logits_bits_equal_reference_alone_and_batched",
               "tests/engine/test_engine_isolation.py::test_disaggregated_equals_reference")),

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import nats
-import pytest
 
 from pdmesh.services import messages as m
 from pdmesh.services import natsauth
@@ -58,7 +57,7 @@ async def test_a_dispatch_over_max_payload_frees_the_reservation_at_once(tmp_pat
     gateway = await _client(server, ids["gw-1"], errors)
     heard: list[object] = []
     second = asyncio.Event()
-    beating = True
+    beats: asyncio.Future | None = None
     try:
         await admission.start()
 
@@ -82,7 +81,7 @@ async def test_a_dispatch_over_max_payload_frees_the_reservation_at_once(tmp_pat
         await decode.subscribe(m.release_subject("dec-1"), cb=on_release)
 
         async def beat() -> None:
-            while beating:
+            while True:
                 for nc, worker, role in ((prefill, "pre-1", m.Role.PREFILL),
                                          (decode, "dec-1", m.Role.DECODE)):
                     await nc.publish(m.heartbeat_subject(role, worker), m.encode(m.Heartbeat(
@@ -124,16 +123,13 @@ async def test_a_dispatch_over_max_payload_frees_the_reservation_at_once(tmp_pat
         assert isinstance(freed, m.ReserveCancel), freed
         assert freed.request_id == "req-1" and freed.nonce == heard[0].ticket.nonce
         assert freed.outcome.code is m.Code.INVALID
-        beating = False
-        await beats
     finally:
-        beating = False
+        if beats is not None:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
         await admission.rt.drain("test over")
         for nc in (decode, prefill, gateway):
             await nc.close()
         server.stop()
 
-
-@pytest.fixture(autouse=True)
-def _dev_secret(monkeypatch) -> None:
-    monkeypatch.setenv("PDMESH_ALLOW_DEV_CREDENTIALS", "1")

@@ -75,6 +75,16 @@ static inline void prefetch_block(const float *p, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
+/* While page `pi` (tokens from `first`) computes, ask for the same block two pages ahead
+ * (and, at the first page, the next one too). `block` is the storage base plus the
+ * block's offset inside a page. */
+static inline void prefetch_ahead(const float *block, const int64_t *pages, int64_t pi,
+                                  int64_t first, int64_t length, int64_t ptok,
+                                  int64_t stride, int64_t kvw) {
+    if (first + 2 * ptok < length) prefetch_block(block + pages[pi + 2] * stride, ptok * kvw);
+    if (pi == 0 && ptok < length) prefetch_block(block + pages[1] * stride, ptok * kvw);
+}
+
 static inline v8 vmax(v8 a, v8 b) {
     const v8i take_a = a > b;
     return (v8)(((v8i)a & take_a) | ((v8i)b & ~take_a));
@@ -122,10 +132,7 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
         const float *kp = base + pages[pi] * stride + k_off;
         const int64_t n = length - first < ptok ? length - first : ptok;
-        if (first + 2 * ptok < length)
-            prefetch_block(base + pages[pi + 2] * stride + k_off, ptok * kvw);
-        if (pi == 0 && ptok < length)
-            prefetch_block(base + pages[1] * stride + k_off, ptok * kvw);
+        prefetch_ahead(base + k_off, pages, pi, first, length, ptok, stride, kvw);
         for (int64_t h = 0; h < kv_heads; h++) {
             v8 qv[MAX_GROUP][MAX_CHUNKS];
             for (int64_t g = 0; g < group; g++)
@@ -186,10 +193,7 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
         const float *vp = base + pages[pi] * stride + v_off;
         const int64_t n = length - first < ptok ? length - first : ptok;
-        if (first + 2 * ptok < length)
-            prefetch_block(base + pages[pi + 2] * stride + v_off, ptok * kvw);
-        if (pi == 0 && ptok < length)
-            prefetch_block(base + pages[1] * stride + v_off, ptok * kvw);
+        prefetch_ahead(base + v_off, pages, pi, first, length, ptok, stride, kvw);
         for (int64_t h = 0; h < kv_heads; h++) {
             v8 ov[MAX_GROUP][MAX_CHUNKS];
             float *o = out + h * group * hd;
