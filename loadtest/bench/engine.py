@@ -12,8 +12,9 @@ same weights on the same machine:
 and reports the ratios `decode_vs_dense_b1`, `decode_vs_dense_b16` (decode step time /
 dense forward time), `prefill_vs_dense` and `prefill_vs_dense_attention` (and their `_4k`
 twins when the prompt is ~4k tokens), `paged_vs_contiguous_b1` / `_b16`,
-`lease_check_pct_of_step_b16`, and `native_decode_attention` (whether decode attention ran
-in the native kernel, services/engine/native.py).
+`lease_check_pct_of_step_b16`, and `native_decode_attention` / `native_decode_linear`
+(whether decode attention / the decode matmuls ran in the native kernels,
+services/engine/native.py).
 Figures are medians of interleaved runs (with --cpu-time: the best process CPU time, for
 a loaded machine; use it with --threads 1); `load_avg_1m_start` / `_end` say how busy the
 machine was. Bounded: ~20 s with `tiny`, ~2 min with `smollm2` on 2 cores.
@@ -246,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         report["prefill_vs_dense_4k"] = report["prefill_vs_dense"]
         report["prefill_vs_dense_attention_4k"] = report["prefill_vs_dense_attention"]
     report["native_decode_attention"] = native.usable(pool.device, pool.spec.dtype)
+    # engines before change 8 have no native matmuls (the bench also times old engines)
+    report["native_decode_linear"] = getattr(engine.model, "native_linear", lambda: False)()
     report["load_avg_1m_start"] = load_start
     report["load_avg_1m_end"] = os.getloadavg()[0]
     print_report(report, args.json, decimals=3)

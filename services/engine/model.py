@@ -5,6 +5,12 @@ Batch invariance (invariant I4 depends on it: the leak oracle compares tokens bi
 A request's greedy tokens must not depend on what else is batched with it, nor on whether
 its prompt KV was computed in another process and copied page by page. We get it by
 construction:
+* on CPU in fp32, a decode step's matmuls run in a native kernel (native.py,
+  kernels/decode_linear.c) that computes every output in one order fixed by the weight's
+  in-features alone (16 FMA lanes, then a fixed tree), so a row's bits do not depend on
+  the row count, its place or the thread count, and a step runs exactly its rows
+  (`NATIVE_TILES`). Otherwise (torch: no compiler, another device or dtype, a shape the
+  kernel refuses) the rest of this paragraph holds:
 * decode pads a step to a small fixed tile of rows (4, 8 or 16: `DECODE_TILES`) with dummy
   rows; a row's GEMM result is the same in every tile of the ladder and at every position
   in it. That is a property of the BLAS kernels (they choose blocking and reduction order
@@ -16,7 +22,7 @@ construction:
   (Until issue 17 every step was padded to 16 rows, which made a batch-1 step pay for 16;
   see services/engine/README.md.) Row-wise reductions (RMSNorm) reduce one row of `dim`
   floats, far below ATen's parallel grain, so they do not split with the row count;
-* a decode tile's matmuls follow `decode_plan`: qkv, o and lm_head in the columns
+* in torch, a decode tile's matmuls follow `decode_plan`: qkv, o and lm_head in the columns
   orientation (W @ x^T, pieces of at most 8 rows, whose 4..11-row kernels agree bit for
   bit), gate/up and down in the rows bits of the ladder above; each property is checked
   for the model's shapes (`columns_agree`, `tiles_agree`, `wide_agrees`);
@@ -61,6 +67,7 @@ DECODE_TILE = 16  # most requests one decode_tile call takes
 # matmul shape, at start-up and whenever the thread count changes; where it does not hold,
 # decode pads every step to DECODE_TILE rows (always invariant, slower at low batch).
 DECODE_TILES = (4, 8, DECODE_TILE)
+NATIVE_TILES = tuple(range(1, DECODE_TILE + 1))  # the native matmuls need no padding rows
 # Decode matmuls come in two orientations (issue 17, change 6 in README.md): "rows",
 # F.linear(x, W) = x @ W^T, and "columns", torch.mm(W, x^T)^T. On this machine's MKL a
 # row's bits are the same for every row count in 4..16 in the rows orientation, and in the
@@ -379,11 +386,27 @@ class LlamaModel:
         self.cos = angles.cos().to(torch.float32).to(self.device)
         self.sin = angles.sin().to(torch.float32).to(self.device)
         self._plan_for_threads: tuple[int, DecodePlan] | None = None
+        self._native_shapes: bool | None = None
+
+    def native_linear(self) -> bool:
+        """Whether decode matmuls run in the native kernel (`native.linear`,
+        kernels/decode_linear.c: each output in one fixed order, so no padding rows): on
+        CPU in fp32 where the native kernels built, for a model whose every decode weight
+        shape the kernel takes. Otherwise they follow `decode_plan` in torch."""
+        if not native.usable(self.device, self.dtype):
+            return False
+        if self._native_shapes is None:
+            self._native_shapes = all(native.linear_takes(tuple(t.shape))
+                                      for ts in self._role_weights().values() for t in ts)
+        return self._native_shapes
 
     @property
     def decode_tiles(self) -> tuple[int, ...]:
-        """Row counts decode pads to: DECODE_TILES where `tiles_agree` holds for this
-        model's matmul shapes at the current thread count, else (DECODE_TILE,)."""
+        """Row counts decode pads to: every count 1..DECODE_TILE with the native matmuls
+        (no padding); in torch DECODE_TILES where `tiles_agree` holds for this model's
+        matmul shapes at the current thread count, else (DECODE_TILE,)."""
+        if self.native_linear():
+            return NATIVE_TILES
         return self.decode_plan.tiles
 
     def _role_weights(self) -> dict[str, list[torch.Tensor]]:
@@ -414,7 +437,7 @@ class LlamaModel:
         return self._plan_for_threads[1]
 
     def _decode_linear(self, x: torch.Tensor, weight: torch.Tensor, role: str) -> torch.Tensor:
-        """x @ weight^T for a decode tile of x's rows, in the role's orientation."""
+        """x @ weight^T for a decode tile of x's rows in torch, in the role's orientation."""
         plan = self.decode_plan
         if role in plan.column_roles:
             if x.shape[0] <= COLUMN_PIECE:
@@ -455,7 +478,12 @@ class LlamaModel:
                 mask = torch.zeros(key_pos.shape[0], dtype=self.dtype, device=self.device
                                    ).masked_fill(key_pos > query_pos[:, None], float("-inf"))
             masks.append(mask)
-        linear = self._decode_linear if decode else lambda x, weight, role: F.linear(x, weight)
+        if not decode:
+            linear = lambda x, weight, role: F.linear(x, weight)  # noqa: E731
+        elif self.native_linear():
+            linear = lambda x, weight, role: native.linear(x, weight)  # noqa: E731
+        else:
+            linear = self._decode_linear
         attend = None
         if decode and native.usable(self.device, self.dtype):
             if any(seg.row != i or seg.num_rows != 1 for i, seg in enumerate(segments)):
@@ -524,6 +552,8 @@ class LlamaModel:
         pos = torch.tensor(positions + [0] * pad, dtype=torch.long, device=self.device)
         segments = [Segment(kv, row, 1, positions[row]) for row, kv in enumerate(kvs)]
         hidden = self.forward(tokens, pos, segments, decode=True)
+        if self.native_linear():
+            return native.linear(hidden[:count], self.weights.lm_head)
         return self._decode_linear(hidden, self.weights.lm_head, "lm_head")[:count].float()
 
 

@@ -1,4 +1,5 @@
-"""The engine's one native kernel: paged decode attention (kernels/decode_attention.c).
+"""The engine's native decode kernels: paged decode attention (kernels/decode_attention.c)
+and the decode matmuls (kernels/decode_linear.c), one library.
 
 Built on first use with the machine's C compiler (`cc`, or `$CC`) into the cache
 directory (`PDMESH_CACHE_DIR`, default `~/.cache/pdmesh`, under `kernels/`), named by a
@@ -6,8 +7,8 @@ hash of the source, the compiler's version, the flags and the CPU's feature flag
 process never loads a library built for another CPU or from other source. Loaded with
 ctypes (no torch headers: it builds in well under a second).
 
-`PDMESH_NATIVE_ATTENTION`: `auto` (default: use it when it builds, else decode attention
-runs in torch), `off` (torch always) or `on` (refuse to run without it). The two paths give
+`PDMESH_NATIVE_KERNELS`: `auto` (default: use them when they build, else decode runs in
+torch), `off` (torch always) or `on` (refuse to run without them). The two paths give
 different bits (another reduction order), so every process of a mesh and its oracle must
 take the same one: on one machine, or one image, they do (same compiler, same setting).
 """
@@ -30,14 +31,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
+SOURCES = tuple(Path(__file__).with_name("kernels") / name
+                for name in ("decode_attention.c", "decode_linear.c"))
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC", "-fopenmp")
-SETTING = "PDMESH_NATIVE_ATTENTION"
+SETTING = "PDMESH_NATIVE_KERNELS"
 _I64 = ctypes.POINTER(ctypes.c_int64)
 
 
 class NativeUnavailable(RuntimeError):
-    """PDMESH_NATIVE_ATTENTION=on but the kernel could not be built or loaded."""
+    """PDMESH_NATIVE_KERNELS=on but the kernels could not be built or loaded."""
 
 
 def setting() -> str:
@@ -70,15 +72,16 @@ def _build() -> Path:
                                 " on this machine")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), compiler, version, " ".join(FLAGS),
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join((*texts, compiler, version, " ".join(FLAGS),
                                     platform.machine(), _cpu_flags())).encode()).hexdigest()
-    target = _cache_dir() / f"decode_attention-{key[:20]}.so"
+    target = _cache_dir() / f"decode_kernels-{key[:20]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)],
+        done = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise NativeUnavailable(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -95,22 +98,62 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError, NativeUnavailable) as exc:
         if setting() == "on":
             raise NativeUnavailable(f"{SETTING}=on: {exc}") from exc
-        log.warning("native decode attention unavailable, torch runs it: %s", exc)
+        log.warning("native decode kernels unavailable, torch runs decode: %s", exc)
         return None
     fn = lib.pd_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64] * 5 + [_I64] * 6 + [ctypes.c_void_p, ctypes.c_void_p,
                                                       ctypes.c_float, ctypes.c_int64]
+    fn = lib.pd_decode_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 
 def available() -> bool:
-    """Whether decode attention runs natively in this process (builds it on first call)."""
+    """Whether the native decode kernels run in this process (built on the first call)."""
     return _library() is not None
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and available()
+
+
+LINEAR_LANES = 16  # decode_linear.c: in-features a multiple of this
+LINEAR_MIN_OUT = 4  # ... and at least this many out-features
+
+
+def linear_takes(shape: tuple[int, ...]) -> bool:
+    """Whether `linear` takes a weight of this shape [out, in]."""
+    out_features, in_features = shape
+    return (in_features >= LINEAR_LANES and in_features % LINEAR_LANES == 0
+            and out_features >= LINEAR_MIN_OUT)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for the rows of a decode step (x [m, in], weight [out, in], fp32 CPU),
+    each output in one fixed order whatever m, the row's place or the thread count
+    (kernels/decode_linear.c), so a row's bits do not depend on the batch."""
+    lib = _library()
+    if lib is None:
+        raise NativeUnavailable("the native decode kernels are not loaded here")
+    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
+            or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or x.device.type != "cpu" or weight.device.type != "cpu"
+            or not weight.is_contiguous() or not linear_takes(tuple(weight.shape))):
+        raise ValueError(f"native linear takes fp32 CPU x [m, in] and a contiguous weight "
+                         f"[out >= {LINEAR_MIN_OUT}, in = k * {LINEAR_LANES}]; got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    if x.shape[0] == 0:
+        return out
+    status = lib.pd_decode_linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+                                  weight.shape[0], out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"native linear refused its arguments (status {status})")
+    return out
 
 
 class DecodeAttention:

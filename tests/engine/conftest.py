@@ -12,14 +12,15 @@ def tiny() -> LoadedModel:
 
 @pytest.fixture(params=["native", "torch"])
 def attention_path(request, monkeypatch) -> str:
-    """Run a test with decode attention in the native kernel (services/engine/native.py)
-    and again in torch: both must keep every invariance the test checks."""
+    """Run a test with decode in the native kernels (attention and matmuls,
+    services/engine/native.py) and again in torch: both must keep every invariance the
+    test checks."""
     from pdmesh.services.engine import native
 
     if request.param == "native":
         if native.setting() == "off":
-            pytest.skip("PDMESH_NATIVE_ATTENTION=off")
-        assert native.available(), "the native decode attention did not build here"
+            pytest.skip("PDMESH_NATIVE_KERNELS=off")
+        assert native.available(), "the native decode kernels did not build here"
     else:
         monkeypatch.setattr(native, "usable", lambda device, dtype: False)
     return request.param

@@ -14,6 +14,7 @@ from engine_helpers import prompt
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from pdmesh.services.engine import native
 from pdmesh.services.engine.model import (
     DECODE_TILE,
     DECODE_TILES,
@@ -187,9 +188,10 @@ def test_smollm2_gguf_answers_paris() -> None:
     assert "Paris" in model.tokenizer.decode(out)
 
 
-def test_decode_tile_ladder_is_checked_on_this_machine(tiny) -> None:
-    """Decode pads to 4, 8 or 16 rows only because `tiles_agree` holds for the model's
-    shapes here; the check itself can fail: 1- and 2-row GEMMs take other kernels."""
+def test_decode_tile_ladder_is_checked_on_this_machine(tiny, monkeypatch) -> None:
+    """Decode in torch pads to 4, 8 or 16 rows only because `tiles_agree` holds for the
+    model's shapes here; the check itself can fail: 1- and 2-row GEMMs take other kernels."""
+    monkeypatch.setattr(native, "usable", lambda device, dtype: False)
     shapes = [(768, 256), (256, 768), (258, 256)]
     cpu = torch.device("cpu")
     assert tiles_agree(shapes, DECODE_TILES, cpu, torch.float32)
@@ -198,13 +200,21 @@ def test_decode_tile_ladder_is_checked_on_this_machine(tiny) -> None:
     assert ReferenceEngine(tiny).model.decode_tiles == DECODE_TILES
 
 
-def test_decode_pads_to_the_smallest_tile_that_holds_the_batch(tiny, monkeypatch) -> None:
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_decode_pads_to_the_smallest_tile_that_holds_the_batch(tiny, monkeypatch, path) -> None:
+    """In torch a step pads to the ladder's next tile; with the native matmuls (every
+    output in one fixed order) it runs exactly its rows."""
+    if path == "torch":
+        monkeypatch.setattr(native, "usable", lambda device, dtype: False)
+    elif not native.available():
+        pytest.skip("the native decode kernels are off here")
     model = ReferenceEngine(tiny).model
     seen = []
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda tokens, *a, **kw: seen.append(len(tokens))
                         or forward(tokens, *a, **kw))
     caches = [ContiguousKV(tiny.config, 8, model.device) for _ in range(DECODE_TILE)]
-    for count in (1, 4, 5, 8, 9, 16):
+    counts = (1, 4, 5, 8, 9, 16)
+    for count in counts:
         model.decode_tile(caches[:count], [1] * count, [0] * count)
-    assert seen == [4, 4, 8, 8, 16, 16]
+    assert seen == ([4, 4, 8, 8, 16, 16] if path == "torch" else list(counts))

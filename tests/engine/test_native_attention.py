@@ -13,7 +13,7 @@ from pdmesh.services.engine import native
 from pdmesh.services.engine.model import LlamaModel, columns_agree, tiles_agree, wide_agrees
 from pdmesh.services.engine.native import DecodeAttention, NativeUnavailable
 
-pytestmark = pytest.mark.skipif(native.setting() == "off", reason="PDMESH_NATIVE_ATTENTION=off")
+pytestmark = pytest.mark.skipif(native.setting() == "off", reason="PDMESH_NATIVE_KERNELS=off")
 
 # (layers, kv_heads, group, head_dim): tiny's, SmolLM2's, and an odd small one.
 GEOMETRIES = [(4, 2, 4, 32), (30, 3, 3, 64), (2, 1, 1, 8)]

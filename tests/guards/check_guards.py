@@ -163,6 +163,15 @@ MUTATIONS = [
              ("tests/engine/test_engine_isolation.py::"
               "test_paged_decode_logits_bits_equal_reference_alone_and_batched",
               "tests/engine/test_engine_isolation.py::test_disaggregated_equals_reference")),
+    Mutation("native-linear-rows", "a decode row's matmul outputs are its own row's (I4: "
+             "no request gets another's values)",
+             "services/engine/kernels/decode_linear.c",
+             "out[(g * X_ROWS + b) * n + j0 + a] = sums[a * X_ROWS + b];",
+             "out[(g * X_ROWS + b) * n + j0 + a] = sums[a * X_ROWS];",
+             ("tests/engine/test_native_linear.py::"
+              "test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads",
+              "tests/engine/test_engine_isolation.py::"
+              "test_paged_decode_logits_bits_equal_reference_alone_and_batched")),
     # Prefill's Release and the gateway's Abort both free decode at once: remove both.
     Mutation("release-on-reject", "a rejection on one side frees the other at once (I6)",
              "services/prefill/service.py",

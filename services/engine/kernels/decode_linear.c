@@ -1,0 +1,103 @@
+/* Decode matmuls for pdmesh's CPU engine (issue 17, change 8 in ../README.md).
+ *
+ * out[r][j] = sum_k x[r][k] * w[j][k] for the m rows of one decode step (x [m][k], w
+ * [n][k], out [m][n], all row-major and contiguous, fp32).
+ *
+ * Every output is computed by one fixed sequence of operations that depends on nothing
+ * but k: 16 running lanes (lane l sums k = l, l + 16, ... in order, one fused
+ * multiply-add each) and then one fixed tree over the 16 lanes. The row count, the row's
+ * place among them, which thread computes it and how w's rows are grouped change only the
+ * schedule, never that sequence, so a row's bits are the same alone or in any batch: no
+ * decode step needs padding rows for batch invariance (invariant I4), and the paged engine
+ * and the reference engine, both running it, agree bit for bit.
+ *
+ * Schedule: a tile is 4 rows of w by 4 rows of x (16 accumulators in registers; a step
+ * whose row count is not a multiple of 4 gets zero rows, whose results are dropped), w's
+ * rows split over the threads; w is streamed from memory once per step whatever m is,
+ * which is where BLAS's 1..4-row kernels lose time (see ../README.md).
+ *
+ * Built by services/engine/native.py with the machine's C compiler (-fopenmp).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define W_ROWS 4 /* rows of w per tile */
+#define X_ROWS 4 /* rows of x per tile */
+#define LANES 16
+
+/* 16 floats, loaded unaligned: one AVX-512 register, two AVX ones, four SSE/NEON ones */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int v16i __attribute__((vector_size(64)));
+
+/* Lane i of the result is the sum of the 16 lanes of a[i], for every i in the same tree
+ * (((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))) + (((l8+l9)+...)): pairs, then pairs of pairs,
+ * each step one shuffle-add over two vectors. */
+static inline v16 transpose_sums(const v16 *a) {
+    const v16i e1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const v16i o1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    const v16i e2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i o2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const v16i e3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16i o3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const v16i e4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i o4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    v16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], e1)
+               + __builtin_shuffle(a[2 * i], a[2 * i + 1], o1);
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], e2)
+               + __builtin_shuffle(b[2 * i], b[2 * i + 1], o2);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], e3)
+               + __builtin_shuffle(c[2 * i], c[2 * i + 1], o3);
+    return __builtin_shuffle(d[0], d[1], e4) + __builtin_shuffle(d[0], d[1], o4);
+}
+
+/* One tile: lane a * X_ROWS + b of the result is w[a] . x[b] over k floats. */
+static inline v16 tile(const float *restrict w, const float *restrict x, int64_t k) {
+    v16 acc[W_ROWS * X_ROWS];
+    for (int i = 0; i < W_ROWS * X_ROWS; i++) acc[i] = (v16){0};
+    for (int64_t kk = 0; kk < k; kk += LANES) {
+        v16 wv[W_ROWS], xv[X_ROWS];
+        for (int a = 0; a < W_ROWS; a++) wv[a] = *(const v16 *)(w + a * k + kk);
+        for (int b = 0; b < X_ROWS; b++) xv[b] = *(const v16 *)(x + b * k + kk);
+        for (int a = 0; a < W_ROWS; a++)
+            for (int b = 0; b < X_ROWS; b++) acc[a * X_ROWS + b] += wv[a] * xv[b];
+    }
+    return transpose_sums(acc);
+}
+
+/* Returns 0, or 1 for arguments it does not take (k not a positive multiple of 16, fewer
+ * than 4 rows of w, no rows of x), 2 when out of memory. */
+int pd_decode_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                     float *out, int64_t threads) {
+    if (m < 1 || k < LANES || k % LANES || n < W_ROWS || threads < 1) return 1;
+    const int64_t groups = (m + X_ROWS - 1) / X_ROWS;
+    float *padded = NULL;
+    if (m % X_ROWS) { /* zero rows up to a whole tile: computed, never stored */
+        padded = calloc((size_t)(groups * X_ROWS * k), sizeof(float));
+        if (!padded) return 2;
+        memcpy(padded, x, (size_t)(m * k) * sizeof(float));
+        x = padded;
+    }
+    const int64_t blocks = (n + W_ROWS - 1) / W_ROWS;
+    /* OpenMP in the pool torch loaded (see decode_attention.c); each output is computed
+     * by one thread, so the thread count changes no bits. */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        /* the last block ends at row n: it may recompute rows of the one before (same
+         * operations, same bits) */
+        const int64_t j0 = blk * W_ROWS + W_ROWS > n ? n - W_ROWS : blk * W_ROWS;
+        for (int64_t g = 0; g < groups; g++) {
+            float sums[W_ROWS * X_ROWS];
+            *(v16 *)sums = tile(w + j0 * k, x + g * X_ROWS * k, k);
+            for (int64_t b = 0; b < X_ROWS && g * X_ROWS + b < m; b++)
+                for (int64_t a = 0; a < W_ROWS; a++)
+                    out[(g * X_ROWS + b) * n + j0 + a] = sums[a * X_ROWS + b];
+        }
+    }
+    free(padded);
+    return 0;
+}

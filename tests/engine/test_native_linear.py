@@ -1,0 +1,84 @@
+"""The native decode matmuls (services/engine/native.py, kernels/decode_linear.c): close to
+torch's, each row's bits the same whatever the other rows, their count, the row's place or
+the thread count (so a decode step needs no padding rows and I4 holds), and clear about
+what they refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdmesh.services.engine import native
+from pdmesh.services.engine.model import NATIVE_TILES, LlamaModel
+
+pytestmark = pytest.mark.skipif(native.setting() == "off", reason="PDMESH_NATIVE_KERNELS=off")
+
+# [out, in]: tiny's qkv, o, gate_up, down and lm_head (258 rows: the last block of 4
+# overlaps the one before), SmolLM2's qkv and down, and two small odd ones.
+SHAPES = [(384, 256), (256, 256), (1536, 256), (256, 768), (258, 256), (960, 576),
+          (576, 1536), (4, 16), (7, 48)]
+
+
+def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_it_computes_x_times_w_transposed(shape) -> None:
+    weight = _weight(shape, 1)
+    for m in (1, 3, 4, 7, 16):
+        x = torch.randn(m, shape[1])
+        torch.testing.assert_close(native.linear(x, weight), F.linear(x, weight),
+                                   rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads(shape) -> None:
+    """Row r of a 16-row call equals, bit for bit, the same row alone, among 1..15 others
+    at any place, among rows of other values, and at another thread count."""
+    weight = _weight(shape, 2)
+    x = torch.randn(16, shape[1])
+    full = native.linear(x, weight)
+    for r in range(16):
+        assert torch.equal(native.linear(x[r:r + 1].clone(), weight)[0], full[r]), r
+    for first, count in ((0, 2), (1, 3), (5, 5), (3, 8), (9, 7), (0, 15)):
+        assert torch.equal(native.linear(x[first:first + count].clone(), weight),
+                           full[first:first + count]), (first, count)
+    others = torch.randn(16, shape[1])
+    others[6] = x[6]
+    assert torch.equal(native.linear(others, weight)[6], full[6])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(native.linear(x, weight), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_arguments_it_cannot_serve_are_refused() -> None:
+    x = torch.randn(2, 24)
+    with pytest.raises(ValueError, match="multiple of 16|k \\* 16"):  # in = 24
+        native.linear(x, torch.randn(8, 24))
+    with pytest.raises(ValueError, match="out >= 4"):
+        native.linear(torch.randn(2, 16), torch.randn(3, 16))
+    with pytest.raises(ValueError, match="float64"):
+        native.linear(torch.randn(2, 16, dtype=torch.float64), torch.randn(8, 16))
+    with pytest.raises(ValueError, match="\\(8, 32\\)"):  # a weight viewed transposed
+        native.linear(torch.randn(2, 32), torch.randn(32, 8).t())
+    with pytest.raises(ValueError, match="\\(2, 16\\)"):  # in-features disagree
+        native.linear(torch.randn(2, 16), torch.randn(8, 32))
+    assert native.linear(torch.randn(0, 16), torch.randn(8, 16)).shape == (0, 8)
+    assert not native.linear_takes((8, 24)) and not native.linear_takes((3, 16))
+    assert native.linear_takes((4, 16))
+
+
+def test_decode_uses_them_without_padding_and_falls_back_to_torch(tiny, monkeypatch) -> None:
+    """tiny's every decode weight fits the kernel: its steps run their own rows. A model
+    with a shape the kernel refuses keeps the torch plan (padding to checked tiles)."""
+    model = LlamaModel(tiny.config, tiny.weights)
+    assert model.native_linear() and model.decode_tiles == NATIVE_TILES
+    monkeypatch.setattr(native, "linear_takes", lambda shape: shape[1] != 768)  # down's
+    fallback = LlamaModel(tiny.config, tiny.weights)
+    assert not fallback.native_linear()
+    assert fallback.decode_tiles == fallback.decode_plan.tiles != NATIVE_TILES
