@@ -478,10 +478,22 @@ class LlamaModel:
                 mask = torch.zeros(key_pos.shape[0], dtype=self.dtype, device=self.device
                                    ).masked_fill(key_pos > query_pos[:, None], float("-inf"))
             masks.append(mask)
+        eps = cfg.norm_eps
+
+        def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+            """The residual add (when there is one), then RMSNorm: (new x, its norm)."""
+            if delta is not None:
+                x = x + delta
+            return x, rms_norm(x, weight, eps)
+
         if not decode:
             linear = lambda x, weight, role: F.linear(x, weight)  # noqa: E731
         elif self.native_linear():
             linear = lambda x, weight, role: native.linear(x, weight)  # noqa: E731
+
+            def add_norm(x, delta, weight):  # one call per norm, the add fused (in place)
+                return x, native.rms_norm(x, weight, eps, delta)
         else:
             linear = self._decode_linear
         attend = None
@@ -489,9 +501,9 @@ class LlamaModel:
             if any(seg.row != i or seg.num_rows != 1 for i, seg in enumerate(segments)):
                 raise ValueError("a decode tile's segments are rows 0..n-1, one row each")
             attend = store.decode_attention()
-        x = w.embed[token_ids]
+        x, delta = w.embed[token_ids], None  # delta: the residual branch not yet added to x
         for index, layer in enumerate(w.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
+            x, h = add_norm(x, delta, layer.attn_norm)
             qkv = linear(h, layer.wqkv, "qkv")
             qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
             store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
@@ -520,11 +532,10 @@ class LlamaModel:
                     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                                          enable_gqa=True)
                 attn[rows] = out[0].transpose(0, 1)
-            x = x + linear(attn.view(n, cfg.q_dim), layer.wo, "o")
-            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
+            x, h = add_norm(x, linear(attn.view(n, cfg.q_dim), layer.wo, "o"), layer.ffn_norm)
             gate, up = linear(h, layer.w_gate_up, "gate_up").chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.w_down, "down")
-        return rms_norm(x, w.norm, cfg.norm_eps)
+            delta = linear(F.silu(gate) * up, layer.w_down, "down")
+        return add_norm(x, delta, w.norm)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden [N, dim] (or [dim])."""

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("kernels") / name
                 for name in ("decode_attention.c", "decode_linear.c"))
-FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-shared", "-fPIC", "-fopenmp")
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno", "-shared",
+         "-fPIC", "-fopenmp")
 SETTING = "PDMESH_NATIVE_KERNELS"
 _I64 = ctypes.POINTER(ctypes.c_int64)
 
@@ -108,6 +109,10 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    fn = lib.pd_decode_rms_norm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
     return lib
 
 
@@ -197,3 +202,31 @@ class DecodeAttention:
         if status != 0:
             raise ValueError("native decode attention refused its arguments")
         return out
+
+
+def _plain(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    return (tuple(t.shape) == shape and t.dtype == torch.float32 and t.device.type == "cpu"
+            and t.is_contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of a decode step's rows x [m, dim] (fp32 CPU, contiguous) in one fixed order
+    per row (kernels/decode_linear.c). With `delta`, the residual add comes first, in
+    place: x += delta, then the norm of the new x."""
+    lib = _library()
+    if lib is None:
+        raise NativeUnavailable("the native decode kernels are not loaded here")
+    m, dim = x.shape if x.dim() == 2 else (-1, -1)
+    if (not _plain(x, (m, dim)) or not _plain(weight, (dim,))
+            or (delta is not None and not _plain(delta, (m, dim)))
+            or dim < LINEAR_LANES or dim % LINEAR_LANES):
+        raise ValueError(f"native rms_norm takes contiguous fp32 CPU x [m, dim = k * "
+                         f"{LINEAR_LANES}], weight [dim] and delta like x; got "
+                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    status = lib.pd_decode_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                    m, dim, weight.data_ptr(), eps, out.data_ptr())
+    if status != 0:
+        raise ValueError(f"native rms_norm refused its arguments (status {status})")
+    return out

@@ -1,7 +1,7 @@
-"""The native decode matmuls (services/engine/native.py, kernels/decode_linear.c): close to
-torch's, each row's bits the same whatever the other rows, their count, the row's place or
-the thread count (so a decode step needs no padding rows and I4 holds), and clear about
-what they refuse."""
+"""The native decode matmuls and RMSNorm (services/engine/native.py,
+kernels/decode_linear.c): close to torch's, each row's bits the same whatever the other
+rows, their count, the row's place or the thread count (so a decode step needs no padding
+rows and I4 holds), and clear about what they refuse."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pdmesh.services.engine import native
-from pdmesh.services.engine.model import NATIVE_TILES, LlamaModel
+from pdmesh.services.engine.model import NATIVE_TILES, LlamaModel, rms_norm
 
 pytestmark = pytest.mark.skipif(native.setting() == "off", reason="PDMESH_NATIVE_KERNELS=off")
 
@@ -82,3 +82,33 @@ def test_decode_uses_them_without_padding_and_falls_back_to_torch(tiny, monkeypa
     fallback = LlamaModel(tiny.config, tiny.weights)
     assert not fallback.native_linear()
     assert fallback.decode_tiles == fallback.decode_plan.tiles != NATIVE_TILES
+
+
+@pytest.mark.parametrize("dim", [256, 576, 16])
+def test_rms_norm_is_torchs_and_each_rows_own(dim) -> None:
+    """The decode RMSNorm (with the residual add fused in) is close to the torch one, and a
+    row's bits do not depend on the other rows."""
+    weight = torch.randn(dim)
+    x, delta = torch.randn(16, dim), torch.randn(16, dim)
+    plain = native.rms_norm(x.clone(), weight, 1e-5)
+    torch.testing.assert_close(plain, rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-5)
+    summed = x.clone()
+    fused = native.rms_norm(summed, weight, 1e-5, delta)
+    torch.testing.assert_close(summed, x + delta, rtol=0, atol=0)  # the add, in place
+    torch.testing.assert_close(fused, rms_norm(x + delta, weight, 1e-5), rtol=1e-5, atol=1e-5)
+    for first, count in ((0, 1), (7, 1), (3, 5), (0, 16)):
+        rows = x[first:first + count].clone()
+        assert torch.equal(native.rms_norm(rows, weight, 1e-5,
+                                           delta[first:first + count].clone()),
+                           fused[first:first + count]), (first, count)
+
+
+def test_rms_norm_refuses_what_it_cannot_serve() -> None:
+    with pytest.raises(ValueError, match="dim = k \\* 16"):
+        native.rms_norm(torch.randn(2, 24), torch.randn(24), 1e-5)
+    with pytest.raises(ValueError, match="weight \\[dim\\]"):
+        native.rms_norm(torch.randn(2, 32), torch.randn(16), 1e-5)
+    with pytest.raises(ValueError, match="delta like x"):
+        native.rms_norm(torch.randn(2, 32), torch.randn(32), 1e-5, torch.randn(3, 32))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.rms_norm(torch.randn(32, 2).t(), torch.randn(32), 1e-5)

@@ -101,3 +101,28 @@ int pd_decode_linear(const float *x, int64_t m, int64_t k, const float *w, int64
     free(padded);
     return 0;
 }
+
+/* RMSNorm of a decode step's rows, out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, with the
+ * residual add before it fused in when `delta` is given (x[r] += delta[r] first, in
+ * place). Each row in one fixed order (16 lanes of squares, the tree above, one
+ * division), whatever the other rows. Rows are short (the model's dim): one thread. */
+int pd_decode_rms_norm(float *x, const float *delta, int64_t m, int64_t dim,
+                       const float *w, float eps, float *out) {
+    if (m < 0 || dim < LANES || dim % LANES) return 1;
+    for (int64_t r = 0; r < m; r++) {
+        float *row = x + r * dim;
+        if (delta)
+            for (int64_t i = 0; i < dim; i += LANES)
+                *(v16 *)(row + i) = *(const v16 *)(row + i) + *(const v16 *)(delta + r * dim + i);
+        v16 acc[LANES] = {{0}};
+        for (int64_t i = 0; i < dim; i += LANES) {
+            const v16 v = *(const v16 *)(row + i);
+            acc[0] += v * v;
+        }
+        const float scale = 1.0f / __builtin_sqrtf(transpose_sums(acc)[0] / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i += LANES)
+            *(v16 *)(out + r * dim + i) = *(const v16 *)(row + i) * scale
+                                          * *(const v16 *)(w + i);
+    }
+    return 0;
+}
