@@ -36,7 +36,6 @@ SOURCES = tuple(Path(__file__).with_name("kernels") / name
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno", "-shared",
          "-fPIC", "-fopenmp")
 SETTING = "PDMESH_NATIVE_KERNELS"
-_I64 = ctypes.POINTER(ctypes.c_int64)
 
 
 class NativeUnavailable(RuntimeError):
@@ -103,7 +102,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.pd_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64] * 5 + [_I64] * 6 + [ctypes.c_void_p, ctypes.c_void_p,
+    fn.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 6 + [ctypes.c_void_p, ctypes.c_void_p,
                                                       ctypes.c_float, ctypes.c_int64]
     fn = lib.pd_decode_linear
     fn.restype = ctypes.c_int
@@ -171,21 +170,26 @@ class DecodeAttention:
         """`page_counts[i]`: how many pages storage i has. The kernel reads through raw
         addresses, so every page id is checked against it here (the engine's lease checks
         ran before; this keeps a wrong page table from reading outside the storage)."""
-        for i, (ids, count) in enumerate(zip(pages, page_counts, strict=True)):
-            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= count):
-                raise ValueError(f"segment {i}: page ids outside its storage of {count} "
-                                 "pages")
         self._keep = keep  # the tensors the addresses point into stay alive
         self.n = len(bases)
+        sizes = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
+        self.pages = np.ascontiguousarray(np.concatenate(pages), dtype=np.int64)
+        counts = np.asarray(page_counts, dtype=np.int64)
+        if len(counts) != self.n:
+            raise ValueError("one page count per segment")
+        bad = (self.pages < 0) | (self.pages >= np.repeat(counts, sizes))
+        if bad.any():
+            i = int(np.searchsorted(np.cumsum(sizes), int(np.argmax(bad)), side="right"))
+            raise ValueError(f"segment {i}: page ids outside its storage of {counts[i]} "
+                             "pages")
         self.bases = np.asarray(bases, dtype=np.int64)
         self.page_tokens = np.asarray(page_tokens, dtype=np.int64)
         self.page_strides = np.asarray(page_strides, dtype=np.int64)
         self.page_start = np.zeros(self.n + 1, dtype=np.int64)
-        np.cumsum([len(p) for p in pages], out=self.page_start[1:])
-        self.pages = np.ascontiguousarray(np.concatenate(pages), dtype=np.int64)
+        np.cumsum(sizes, out=self.page_start[1:])
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self._fn = _library().pd_decode_attention  # type: ignore[union-attr]
-        self._ptrs = [a.ctypes.data_as(_I64) for a in (
+        self._ptrs = [a.ctypes.data for a in (
             self.bases, self.page_tokens, self.page_strides, self.page_start, self.pages,
             self.lengths)]
 

@@ -76,30 +76,34 @@ class PagedSegmentsKV:
         tensor, size = first.tensor, first.page_tokens
         num_layers, device = tensor.shape[1], tensor.device
         self.tensor = tensor
-        pages, offsets, rows, gather = [], [], [], []
-        self.lengths: list[int] = []
-        for seg in segments:
-            kv: PagedKV = seg.kv  # type: ignore[assignment]
-            if kv.tensor is not tensor:
-                raise ValueError("one forward's paged segments must share one pool")
-            lease_pages = kv.lease.page_array
-            positions = np.arange(seg.start_pos, seg.start_pos + seg.num_rows)
-            pages.append(lease_pages[positions // size])
-            offsets.append(positions % size)
-            rows.append(np.arange(seg.row, seg.row + seg.num_rows))
-            length = seg.start_pos + seg.num_rows
-            num_pages = pages_for(length, size)
-            gather.append(lease_pages[:num_pages])
-            self.lengths.append(length)
-        self.gather = gather
-        row_index = np.concatenate(rows)
+        if any(seg.kv.tensor is not tensor for seg in segments):  # type: ignore[attr-defined]
+            raise ValueError("one forward's paged segments must share one pool")
+        leases = [seg.kv.lease for seg in segments]  # type: ignore[attr-defined]
+        self.lengths: list[int] = [seg.start_pos + seg.num_rows for seg in segments]
+        # Per segment, its pages 0..length (what its attention reads).
+        self.gather = [lease.page_array[:pages_for(length, size)]
+                       for lease, length in zip(leases, self.lengths, strict=True)]
+        if all(seg.num_rows == 1 for seg in segments):  # a decode step: scalars per row
+            n = len(segments)
+            offset_array = np.fromiter((seg.start_pos % size for seg in segments), np.int64, n)
+            page_array = np.fromiter((lease.page_ids[seg.start_pos // size] for lease, seg
+                                      in zip(leases, segments, strict=True)), np.int64, n)
+            row_index = np.fromiter((seg.row for seg in segments), np.int64, n)
+        else:
+            pages, offsets, rows = [], [], []
+            for lease, seg in zip(leases, segments, strict=True):
+                positions = np.arange(seg.start_pos, seg.start_pos + seg.num_rows)
+                pages.append(lease.page_array[positions // size])
+                offsets.append(positions % size)
+                rows.append(np.arange(seg.row, seg.row + seg.num_rows))
+            page_array, offset_array = np.concatenate(pages), np.concatenate(offsets)
+            row_index = np.concatenate(rows)
         self.rows: slice | torch.Tensor = slice(0, len(row_index))
         if not np.array_equal(row_index, np.arange(len(row_index))):
             self.rows = torch.from_numpy(row_index).to(device)
         # Token slots in the view [pages * layers * 2 * page_tokens, kv_heads, head_dim]:
         # K of (page, layer, offset) at ((page * layers + layer) * 2 + 0) * page_tokens +
         # offset, V one page_tokens further.
-        page_array, offset_array = np.concatenate(pages), np.concatenate(offsets)
         layer_step = np.arange(num_layers)[:, None] * (2 * size)
         self.k_slots = torch.from_numpy(
             page_array[None, :] * (num_layers * 2 * size) + layer_step + offset_array).to(device)
