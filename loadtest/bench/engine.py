@@ -10,8 +10,11 @@ same weights on the same machine:
   call over all rows: the bare forward of the prompt, attention included);
 * `weights_stream_ms`: reading every weight once (the memory-bandwidth floor of a step);
 and reports the ratios `decode_vs_dense_b1`, `decode_vs_dense_b16` (decode step time /
-dense forward time), `prefill_vs_dense` and `prefill_vs_dense_attention` (and their `_4k`
-twins when the prompt is ~4k tokens), `paged_vs_contiguous_b1` / `_b16`,
+dense forward time), `prefill_vs_dense` (paged prefill / the bare forward of the prompt,
+attention included: `dense_prefill_attention_ms`) and `prefill_vs_matmuls` (paged prefill /
+`dense_prefill_ms`: no attention on that side, so it cannot go below (matmuls + attention)
+/ matmuls, ~1.8 for smollm2 at 4k tokens) (and their `_4k` twins when the prompt is ~4k
+tokens), `paged_vs_contiguous_b1` / `_b16`,
 `lease_check_pct_of_step_b16`, and `native_decode_attention` / `native_decode_linear`
 (whether decode attention / the decode matmuls ran in the native kernels,
 services/engine/native.py).
@@ -236,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         "weights_stream_ms": 1000 * stream_s,
         "decode_vs_dense_b1": results["decode_step_s_b1"] / results["dense_forward_s_b1"],
         "decode_vs_dense_b16": results["decode_step_s_b16"] / results["dense_forward_s_b16"],
-        "prefill_vs_dense": prefill_s / dense_prefill_s,
-        "prefill_vs_dense_attention": prefill_s / dense_attention_s,
+        # Issue 17's "prefill_vs_dense_4k (attention included)": against the bare forward
+        # of the prompt, attention included; the matmul-only floor is kept beside it.
+        "prefill_vs_dense": prefill_s / dense_attention_s,
+        "prefill_vs_matmuls": prefill_s / dense_prefill_s,
         "paged_vs_contiguous_b1": results["contiguous_step_s_b1"] / results["decode_step_s_b1"],
         "paged_vs_contiguous_b16": results["contiguous_step_s_b16"]
         / results["decode_step_s_b16"],
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if 3900 <= args.prompt_len <= 4200:
         report["prefill_vs_dense_4k"] = report["prefill_vs_dense"]
-        report["prefill_vs_dense_attention_4k"] = report["prefill_vs_dense_attention"]
+        report["prefill_vs_matmuls_4k"] = report["prefill_vs_matmuls"]
     report["native_decode_attention"] = native.usable(pool.device, pool.spec.dtype)
     # engines before change 8 have no native matmuls (the bench also times old engines)
     report["native_decode_linear"] = getattr(engine.model, "native_linear", lambda: False)()
