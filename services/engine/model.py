@@ -508,11 +508,14 @@ class LlamaModel:
             qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
             store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
             q = qk[:, :heads]
-            attn = torch.zeros(n, heads, hd, dtype=x.dtype, device=x.device)
             per_segment: Iterable = ()
-            if attend is not None:  # every decode row over its K/V in place (native.py)
+            if attend is not None and n == len(segments):  # no padding rows: as it comes
+                attn = attend(index, q, kv_heads, hd)
+            elif attend is not None:  # every decode row over its K/V in place (native.py)
+                attn = torch.zeros(n, heads, hd, dtype=x.dtype, device=x.device)
                 attn[:len(segments)] = attend(index, q[:len(segments)], kv_heads, hd)
             else:
+                attn = torch.zeros(n, heads, hd, dtype=x.dtype, device=x.device)
                 per_segment = zip(segments, masks, store.read(index), strict=True)
             for seg, mask, (keys, values) in per_segment:
                 rows = slice(seg.row, seg.row + seg.num_rows)
