@@ -39,6 +39,10 @@ class Lease:
     # (dataclasses.replace) cannot carry stale indices.
     page_array: np.ndarray = field(init=False, repr=False)
     page_index: torch.Tensor = field(init=False, repr=False)
+    # (epoch, that epoch repeated for every page as int64 bytes): the pool's fast epoch
+    # check; rebuilt whenever `epoch` is not the one it was built for.
+    _epoch_bytes: tuple[int, bytes] | None = field(init=False, default=None, repr=False,
+                                                   compare=False)
 
     def __post_init__(self) -> None:
         self.page_ids = tuple(int(p) for p in self.page_ids)

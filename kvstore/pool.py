@@ -315,6 +315,8 @@ class KVPool:
         if not pages.size:
             return
         epochs = self._page_epoch[pages]
+        if self._all_of_epoch(lease, epochs):
+            return
         ok = epochs == lease.epoch
         if ok.all():
             return
@@ -337,6 +339,20 @@ class KVPool:
             else:
                 reason = f"page held by another lease (epoch {page_epoch})"
             raise self._deny(lease, page_id, reason)
+
+    @staticmethod
+    def _all_of_epoch(lease: Lease, epochs: np.ndarray) -> bool:
+        """Whether every entry of `epochs` is the lease's epoch, as one byte comparison
+        with the epoch repeated (~0.3 us for a 512-token lease's pages, against ~1.7 us
+        for numpy's compare-and-all: it runs for every request of every decode step)."""
+        if epochs.dtype != np.int64:
+            return bool((epochs == lease.epoch).all())
+        cached = lease._epoch_bytes
+        if cached is None or cached[0] != lease.epoch or len(cached[1]) < epochs.nbytes:
+            count = max(lease.num_pages, len(epochs))
+            cached = (lease.epoch, np.full(count, lease.epoch, dtype=np.int64).tobytes())
+            lease._epoch_bytes = cached
+        return epochs.tobytes() == cached[1][:epochs.nbytes]
 
     def check_readable(self, lease: Lease, num_tokens: int) -> None:
         """Raise LeaseAccessError unless `lease` may read its first `num_tokens` tokens:

@@ -128,8 +128,14 @@ MUTATIONS = [
               "test_late_payload_never_lands_in_the_next_lease")),
     Mutation("lease-read-check", "pool read check: owner + epoch + written length (I2)",
              "kvstore/pool.py",
-             "        epochs = self._page_epoch[pages]\n        ok = epochs == lease.epoch",
-             "        epochs = self._page_epoch[pages]\n        ok = epochs == epochs",
+             "            return\n        ok = epochs == lease.epoch",
+             "            return\n        ok = epochs == epochs",
+             ("tests/kvstore",)),
+    Mutation("lease-read-check-fast", "the pool's one-comparison epoch check says yes only "
+             "when every page carries the lease's epoch (I2)",
+             "kvstore/pool.py",
+             "        return epochs.tobytes() == cached[1][:epochs.nbytes]",
+             "        return True",
              ("tests/kvstore",)),
     Mutation("lease-write-check", "pool write check of a decode step's one token: the page "
              "carries the lease's epoch (I2)",
