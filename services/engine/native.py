@@ -125,7 +125,7 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 LINEAR_LANES = 16  # decode_linear.c: in-features a multiple of this
-LINEAR_MIN_OUT = 4  # ... and at least this many out-features
+LINEAR_MIN_OUT = 16  # ... and at least this many out-features
 
 
 def linear_takes(shape: tuple[int, ...]) -> bool:

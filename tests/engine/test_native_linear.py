@@ -14,10 +14,10 @@ from pdmesh.services.engine.model import NATIVE_TILES, LlamaModel, rms_norm
 
 pytestmark = pytest.mark.skipif(native.setting() == "off", reason="PDMESH_NATIVE_KERNELS=off")
 
-# [out, in]: tiny's qkv, o, gate_up, down and lm_head (258 rows: the last block of 4
-# overlaps the one before), SmolLM2's qkv and down, and two small odd ones.
+# [out, in]: tiny's qkv, o, gate_up, down and lm_head (258 rows: the last block of 8 or
+# 16 overlaps the one before), SmolLM2's qkv and down, and two small odd ones.
 SHAPES = [(384, 256), (256, 256), (1536, 256), (256, 768), (258, 256), (960, 576),
-          (576, 1536), (4, 16), (7, 48)]
+          (576, 1536), (16, 16), (23, 48)]
 
 
 def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -59,18 +59,18 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads(shape) -> None:
 def test_arguments_it_cannot_serve_are_refused() -> None:
     x = torch.randn(2, 24)
     with pytest.raises(ValueError, match="multiple of 16|k \\* 16"):  # in = 24
-        native.linear(x, torch.randn(8, 24))
-    with pytest.raises(ValueError, match="out >= 4"):
-        native.linear(torch.randn(2, 16), torch.randn(3, 16))
+        native.linear(x, torch.randn(16, 24))
+    with pytest.raises(ValueError, match="out >= 16"):
+        native.linear(torch.randn(2, 16), torch.randn(15, 16))
     with pytest.raises(ValueError, match="float64"):
-        native.linear(torch.randn(2, 16, dtype=torch.float64), torch.randn(8, 16))
-    with pytest.raises(ValueError, match="\\(8, 32\\)"):  # a weight viewed transposed
-        native.linear(torch.randn(2, 32), torch.randn(32, 8).t())
+        native.linear(torch.randn(2, 16, dtype=torch.float64), torch.randn(16, 16))
+    with pytest.raises(ValueError, match="\\(16, 32\\)"):  # a weight viewed transposed
+        native.linear(torch.randn(2, 32), torch.randn(32, 16).t())
     with pytest.raises(ValueError, match="\\(2, 16\\)"):  # in-features disagree
-        native.linear(torch.randn(2, 16), torch.randn(8, 32))
-    assert native.linear(torch.randn(0, 16), torch.randn(8, 16)).shape == (0, 8)
-    assert not native.linear_takes((8, 24)) and not native.linear_takes((3, 16))
-    assert native.linear_takes((4, 16))
+        native.linear(torch.randn(2, 16), torch.randn(16, 32))
+    assert native.linear(torch.randn(0, 16), torch.randn(16, 16)).shape == (0, 16)
+    assert not native.linear_takes((16, 24)) and not native.linear_takes((15, 16))
+    assert native.linear_takes((16, 16))
 
 
 def test_decode_uses_them_without_padding_and_falls_back_to_torch(tiny, monkeypatch) -> None:

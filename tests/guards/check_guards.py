@@ -172,8 +172,8 @@ MUTATIONS = [
     Mutation("native-linear-rows", "a decode row's matmul outputs are its own row's (I4: "
              "no request gets another's values)",
              "services/engine/kernels/decode_linear.c",
-             "out[(g * X_ROWS + b) * n + j0 + a] = sums[a * X_ROWS + b];",
-             "out[(g * X_ROWS + b) * n + j0 + a] = sums[a * X_ROWS];",
+             "out[(g * x_rows + b) * n + j0 + a] = sums[a * x_rows + b];",
+             "out[(g * x_rows + b) * n + j0 + a] = sums[a * x_rows];",
              ("tests/engine/test_native_linear.py::"
               "test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads",
               "tests/engine/test_engine_isolation.py::"

@@ -11,10 +11,12 @@
  * decode step needs padding rows for batch invariance (invariant I4), and the paged engine
  * and the reference engine, both running it, agree bit for bit.
  *
- * Schedule: a tile is 4 rows of w by 4 rows of x (16 accumulators in registers; a step
- * whose row count is not a multiple of 4 gets zero rows, whose results are dropped), w's
- * rows split over the threads; w is streamed from memory once per step whatever m is,
- * which is where BLAS's 1..4-row kernels lose time (see ../README.md).
+ * Schedule: a tile is 16 outputs held in registers, 16 rows of w by 1 row of x when the
+ * step has one row, else 8 rows of w by 2 rows of x (a step with an odd row count gets a
+ * zero row, whose results are dropped); w's rows are split over the threads. w is
+ * streamed from memory once per step whatever m is, which is where BLAS's 1..4-row
+ * kernels lose time (see ../README.md). The tile shape changes which outputs are computed
+ * together, never the operations computing one (checked: every shape gives the same bits).
  *
  * Built by services/engine/native.py with the machine's C compiler (-fopenmp).
  */
@@ -22,8 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define W_ROWS 4 /* rows of w per tile */
-#define X_ROWS 4 /* rows of x per tile */
+#define TILE 16 /* outputs per tile: rows of w times rows of x */
 #define LANES 16
 
 /* 16 floats, loaded unaligned: one AVX-512 register, two AVX ones, four SSE/NEON ones */
@@ -55,49 +56,62 @@ static inline v16 transpose_sums(const v16 *a) {
     return __builtin_shuffle(d[0], d[1], e4) + __builtin_shuffle(d[0], d[1], o4);
 }
 
-/* One tile: lane a * X_ROWS + b of the result is w[a] . x[b] over k floats. */
-static inline v16 tile(const float *restrict w, const float *restrict x, int64_t k) {
-    v16 acc[W_ROWS * X_ROWS];
-    for (int i = 0; i < W_ROWS * X_ROWS; i++) acc[i] = (v16){0};
+/* One tile: lane a * x_rows + b of the result is w[a] . x[b] over k floats. Inlined with
+ * constant shapes, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) v16
+tile(const float *restrict w, const float *restrict x, int64_t k, const int w_rows,
+     const int x_rows) {
+    v16 acc[TILE];
+    for (int i = 0; i < TILE; i++) acc[i] = (v16){0};
     for (int64_t kk = 0; kk < k; kk += LANES) {
-        v16 wv[W_ROWS], xv[X_ROWS];
-        for (int a = 0; a < W_ROWS; a++) wv[a] = *(const v16 *)(w + a * k + kk);
-        for (int b = 0; b < X_ROWS; b++) xv[b] = *(const v16 *)(x + b * k + kk);
-        for (int a = 0; a < W_ROWS; a++)
-            for (int b = 0; b < X_ROWS; b++) acc[a * X_ROWS + b] += wv[a] * xv[b];
+        v16 wv[TILE], xv[TILE];
+        for (int a = 0; a < w_rows; a++) wv[a] = *(const v16 *)(w + a * k + kk);
+        for (int b = 0; b < x_rows; b++) xv[b] = *(const v16 *)(x + b * k + kk);
+        for (int a = 0; a < w_rows; a++)
+            for (int b = 0; b < x_rows; b++) acc[a * x_rows + b] += wv[a] * xv[b];
     }
     return transpose_sums(acc);
 }
 
-/* Returns 0, or 1 for arguments it does not take (k not a positive multiple of 16, fewer
- * than 4 rows of w, no rows of x), 2 when out of memory. */
-int pd_decode_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
-                     float *out, int64_t threads) {
-    if (m < 1 || k < LANES || k % LANES || n < W_ROWS || threads < 1) return 1;
-    const int64_t groups = (m + X_ROWS - 1) / X_ROWS;
-    float *padded = NULL;
-    if (m % X_ROWS) { /* zero rows up to a whole tile: computed, never stored */
-        padded = calloc((size_t)(groups * X_ROWS * k), sizeof(float));
-        if (!padded) return 2;
-        memcpy(padded, x, (size_t)(m * k) * sizeof(float));
-        x = padded;
-    }
-    const int64_t blocks = (n + W_ROWS - 1) / W_ROWS;
+static inline __attribute__((always_inline)) void
+linear_body(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *out,
+            int64_t threads, const int w_rows, const int x_rows) {
+    const int64_t groups = (m + x_rows - 1) / x_rows;
+    const int64_t blocks = (n + w_rows - 1) / w_rows;
     /* OpenMP in the pool torch loaded (see decode_attention.c); each output is computed
      * by one thread, so the thread count changes no bits. */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t blk = 0; blk < blocks; blk++) {
         /* the last block ends at row n: it may recompute rows of the one before (same
          * operations, same bits) */
-        const int64_t j0 = blk * W_ROWS + W_ROWS > n ? n - W_ROWS : blk * W_ROWS;
+        const int64_t j0 = blk * w_rows + w_rows > n ? n - w_rows : blk * w_rows;
         for (int64_t g = 0; g < groups; g++) {
-            float sums[W_ROWS * X_ROWS];
-            *(v16 *)sums = tile(w + j0 * k, x + g * X_ROWS * k, k);
-            for (int64_t b = 0; b < X_ROWS && g * X_ROWS + b < m; b++)
-                for (int64_t a = 0; a < W_ROWS; a++)
-                    out[(g * X_ROWS + b) * n + j0 + a] = sums[a * X_ROWS + b];
+            float sums[TILE];
+            *(v16 *)sums = tile(w + j0 * k, x + g * x_rows * k, k, w_rows, x_rows);
+            for (int64_t b = 0; b < x_rows && g * x_rows + b < m; b++)
+                for (int64_t a = 0; a < w_rows; a++)
+                    out[(g * x_rows + b) * n + j0 + a] = sums[a * x_rows + b];
         }
     }
+}
+
+/* Returns 0, or 1 for arguments it does not take (k not a positive multiple of 16, fewer
+ * than 16 rows of w, no rows of x), 2 when out of memory. */
+int pd_decode_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                     float *out, int64_t threads) {
+    if (m < 1 || k < LANES || k % LANES || n < TILE || threads < 1) return 1;
+    if (m == 1) {
+        linear_body(x, 1, k, w, n, out, threads, 16, 1);
+        return 0;
+    }
+    float *padded = NULL;
+    if (m % 2) { /* a zero row up to a whole tile: computed, never stored */
+        padded = calloc((size_t)((m + 1) * k), sizeof(float));
+        if (!padded) return 2;
+        memcpy(padded, x, (size_t)(m * k) * sizeof(float));
+        x = padded;
+    }
+    linear_body(x, m, k, w, n, out, threads, 8, 2);
     free(padded);
     return 0;
 }
