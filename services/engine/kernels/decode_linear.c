@@ -62,37 +62,48 @@ static inline __attribute__((always_inline)) v16
 tile(const float *restrict w, const float *restrict x, int64_t k, const int w_rows,
      const int x_rows) {
     v16 acc[TILE];
+#pragma GCC unroll 16
     for (int i = 0; i < TILE; i++) acc[i] = (v16){0};
     for (int64_t kk = 0; kk < k; kk += LANES) {
         v16 wv[TILE], xv[TILE];
+#pragma GCC unroll 16
         for (int a = 0; a < w_rows; a++) wv[a] = *(const v16 *)(w + a * k + kk);
+#pragma GCC unroll 16
         for (int b = 0; b < x_rows; b++) xv[b] = *(const v16 *)(x + b * k + kk);
+#pragma GCC unroll 16
         for (int a = 0; a < w_rows; a++)
+#pragma GCC unroll 16
             for (int b = 0; b < x_rows; b++) acc[a * x_rows + b] += wv[a] * xv[b];
     }
     return transpose_sums(acc);
 }
 
+/* The outputs of weight rows j0 .. j0 + w_rows (the last block ends at row n: it may
+ * recompute rows of the one before, same operations, same bits) for every row of x. */
 static inline __attribute__((always_inline)) void
-linear_body(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *out,
-            int64_t threads, const int w_rows, const int x_rows) {
-    const int64_t groups = (m + x_rows - 1) / x_rows;
-    const int64_t blocks = (n + w_rows - 1) / w_rows;
-    /* OpenMP in the pool torch loaded (see decode_attention.c); each output is computed
-     * by one thread, so the thread count changes no bits. */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        /* the last block ends at row n: it may recompute rows of the one before (same
-         * operations, same bits) */
-        const int64_t j0 = blk * w_rows + w_rows > n ? n - w_rows : blk * w_rows;
-        for (int64_t g = 0; g < groups; g++) {
-            float sums[TILE];
-            *(v16 *)sums = tile(w + j0 * k, x + g * x_rows * k, k, w_rows, x_rows);
-            for (int64_t b = 0; b < x_rows && g * x_rows + b < m; b++)
-                for (int64_t a = 0; a < w_rows; a++)
-                    out[(g * x_rows + b) * n + j0 + a] = sums[a * x_rows + b];
-        }
+block(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *out,
+      int64_t blk, const int w_rows, const int x_rows) {
+    const int64_t j0 = blk * w_rows + w_rows > n ? n - w_rows : blk * w_rows;
+    for (int64_t g = 0; g < (m + x_rows - 1) / x_rows; g++) {
+        float sums[TILE];
+        *(v16 *)sums = tile(w + j0 * k, x + g * x_rows * k, k, w_rows, x_rows);
+        for (int64_t b = 0; b < x_rows && g * x_rows + b < m; b++)
+            for (int64_t a = 0; a < w_rows; a++)
+                out[(g * x_rows + b) * n + j0 + a] = sums[a * x_rows + b];
     }
+}
+
+/* One function per tile shape, so that the shape is a constant where the tile is
+ * compiled (inside an OpenMP region it would not be, and the accumulators would live on
+ * the stack). */
+static void block_16x1(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                       float *out, int64_t blk) {
+    block(x, m, k, w, n, out, blk, 16, 1);
+}
+
+static void block_8x2(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
+                      float *out, int64_t blk) {
+    block(x, m, k, w, n, out, blk, 8, 2);
 }
 
 /* Returns 0, or 1 for arguments it does not take (k not a positive multiple of 16, fewer
@@ -100,18 +111,24 @@ linear_body(const float *x, int64_t m, int64_t k, const float *w, int64_t n, flo
 int pd_decode_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
                      float *out, int64_t threads) {
     if (m < 1 || k < LANES || k % LANES || n < TILE || threads < 1) return 1;
-    if (m == 1) {
-        linear_body(x, 1, k, w, n, out, threads, 16, 1);
-        return 0;
-    }
+    const int one_row = m == 1;
     float *padded = NULL;
-    if (m % 2) { /* a zero row up to a whole tile: computed, never stored */
+    if (!one_row && m % 2) { /* a zero row up to a whole tile: computed, never stored */
         padded = calloc((size_t)((m + 1) * k), sizeof(float));
         if (!padded) return 2;
         memcpy(padded, x, (size_t)(m * k) * sizeof(float));
         x = padded;
     }
-    linear_body(x, m, k, w, n, out, threads, 8, 2);
+    const int64_t blocks = one_row ? (n + 15) / 16 : (n + 7) / 8;
+    /* OpenMP in the pool torch loaded (see decode_attention.c); each output is computed
+     * by one thread, so the thread count changes no bits. */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        if (one_row)
+            block_16x1(x, m, k, w, n, out, blk);
+        else
+            block_8x2(x, m, k, w, n, out, blk);
+    }
     free(padded);
     return 0;
 }
