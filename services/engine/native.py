@@ -124,11 +124,18 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and available()
 
 
+def _loaded() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise NativeUnavailable("the native decode kernels are not loaded here")
+    return lib
+
+
 LINEAR_LANES = 16  # decode_linear.c: in-features a multiple of this
 LINEAR_MIN_OUT = 16  # ... and at least this many out-features
 
 
-def linear_takes(shape: tuple[int, ...]) -> bool:
+def linear_takes(shape: tuple[int, ...] | torch.Size) -> bool:
     """Whether `linear` takes a weight of this shape [out, in]."""
     out_features, in_features = shape
     return (in_features >= LINEAR_LANES and in_features % LINEAR_LANES == 0
@@ -139,13 +146,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T for the rows of a decode step (x [m, in], weight [out, in], fp32 CPU),
     each output in one fixed order whatever m, the row's place or the thread count
     (kernels/decode_linear.c), so a row's bits do not depend on the batch."""
-    lib = _library()
-    if lib is None:
-        raise NativeUnavailable("the native decode kernels are not loaded here")
-    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
+    lib = _loaded()
+    # Checked on every call (the kernel reads through raw addresses), in the cheapest
+    # order: a decode step makes one call per weight (tiny: 17, ~1 us of checks each).
+    if (x.dim() != 2 or weight.dim() != 2 or not (x.is_cpu and weight.is_cpu)
             or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.device.type != "cpu" or weight.device.type != "cpu"
-            or not weight.is_contiguous() or not linear_takes(tuple(weight.shape))):
+            or not weight.is_contiguous() or x.shape[1] != weight.shape[1]
+            or not linear_takes(weight.shape)):
         raise ValueError(f"native linear takes fp32 CPU x [m, in] and a contiguous weight "
                          f"[out >= {LINEAR_MIN_OUT}, in = k * {LINEAR_LANES}]; got "
                          f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
@@ -218,9 +225,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """RMSNorm of a decode step's rows x [m, dim] (fp32 CPU, contiguous) in one fixed order
     per row (kernels/decode_linear.c). With `delta`, the residual add comes first, in
     place: x += delta, then the norm of the new x."""
-    lib = _library()
-    if lib is None:
-        raise NativeUnavailable("the native decode kernels are not loaded here")
+    lib = _loaded()
     m, dim = x.shape if x.dim() == 2 else (-1, -1)
     if (not _plain(x, (m, dim)) or not _plain(weight, (dim,))
             or (delta is not None and not _plain(delta, (m, dim)))
