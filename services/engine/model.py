@@ -211,6 +211,11 @@ class SegmentsKV(Protocol):
         """The native decode attention over these segments' storage in place (every
         segment one decode row, rows 0..n-1 in order); see native.py."""
 
+    def decode_targets(self) -> np.ndarray:
+        """Byte addresses [layers, 2 (K, V), rows] int64 of each decode row's K and V slot
+        (rows 0..n-1, one per segment, in order), each checked to lie in the segment's own
+        storage: where the native K/V append (`native.rope_kv`) writes."""
+
 
 class PerSegmentKV:
     """SegmentsKV over per-request KVViews, one call per segment (contiguous caches)."""
@@ -228,6 +233,20 @@ class PerSegmentKV:
         for seg in self.segments:
             keys, values = seg.kv.read(layer, seg.start_pos + seg.num_rows)
             out.append((keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)))
+        return out
+
+    def decode_targets(self) -> np.ndarray:
+        caches = [seg.kv.cache for seg in self.segments]  # type: ignore[attr-defined]
+        layers, _, max_tokens, kv_heads, head_dim = caches[0].shape
+        row_bytes = kv_heads * head_dim * caches[0].element_size()
+        out = np.empty((layers, 2, len(caches)), dtype=np.int64)
+        for i, (seg, cache) in enumerate(zip(self.segments, caches, strict=True)):
+            if (seg.num_rows != 1 or not 0 <= seg.start_pos < cache.shape[2]
+                    or cache.shape != caches[0].shape or not cache.is_contiguous()):
+                raise ValueError(f"segment {i}: not one decode row inside its cache")
+            first = cache.data_ptr() + seg.start_pos * row_bytes
+            out[:, 0, i] = first + np.arange(layers) * (2 * max_tokens * row_bytes)
+            out[:, 1, i] = out[:, 0, i] + max_tokens * row_bytes
         return out
 
     def decode_attention(self) -> DecodeAttention:
@@ -465,8 +484,6 @@ class LlamaModel:
         if len(kinds) != 1:
             raise ValueError(f"one forward needs one KV store type, got {sorted(map(str, kinds))}")
         store = kinds.pop().for_segments(segments)
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
         masks = []
         for seg in segments:  # causal within the chunk, all earlier chunks visible
             mask = None
@@ -496,18 +513,27 @@ class LlamaModel:
                 return x, native.rms_norm(x, weight, eps, delta)
         else:
             linear = self._decode_linear
-        attend = None
+        attend, targets = None, None
         if decode and native.usable(self.device, self.dtype):
             if any(seg.row != i or seg.num_rows != 1 for i, seg in enumerate(segments)):
                 raise ValueError("a decode tile's segments are rows 0..n-1, one row each")
             attend = store.decode_attention()
+            if self.native_linear() and n == len(segments):  # RoPE, K/V append, SiLU too
+                targets = store.decode_targets()
+        if targets is None:
+            cos = self.cos[positions][:, None, :]
+            sin = self.sin[positions][:, None, :]
         x, delta = w.embed[token_ids], None  # delta: the residual branch not yet added to x
         for index, layer in enumerate(w.layers):
             x, h = add_norm(x, delta, layer.attn_norm)
             qkv = linear(h, layer.wqkv, "qkv")
-            qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
-            store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
-            q = qk[:, :heads]
+            if targets is not None:  # rotate q, k and append k, v in one native call
+                q = native.rope_kv(qkv, positions, self.cos, self.sin, heads, kv_heads,
+                                   targets[index])
+            else:
+                qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
+                store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
+                q = qk[:, :heads]
             per_segment: Iterable = ()
             if attend is not None and n == len(segments):  # no padding rows: as it comes
                 attn = attend(index, q, kv_heads, hd)
@@ -536,8 +562,13 @@ class LlamaModel:
                                                          enable_gqa=True)
                 attn[rows] = out[0].transpose(0, 1)
             x, h = add_norm(x, linear(attn.view(n, cfg.q_dim), layer.wo, "o"), layer.ffn_norm)
-            gate, up = linear(h, layer.w_gate_up, "gate_up").chunk(2, dim=-1)
-            delta = linear(F.silu(gate) * up, layer.w_down, "down")
+            gate_up = linear(h, layer.w_gate_up, "gate_up")
+            if targets is not None:
+                act = native.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            delta = linear(act, layer.w_down, "down")
         return add_norm(x, delta, w.norm)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

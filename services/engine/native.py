@@ -1,5 +1,6 @@
-"""The engine's native decode kernels: paged decode attention (kernels/decode_attention.c)
-and the decode matmuls (kernels/decode_linear.c), one library.
+"""The engine's native decode kernels: paged decode attention (kernels/decode_attention.c),
+the decode matmuls and RMSNorm (kernels/decode_linear.c), RoPE with the K/V append and
+SiLU * up (kernels/decode_pointwise.c), one library.
 
 Built on first use with the machine's C compiler (`cc`, or `$CC`) into the cache
 directory (`PDMESH_CACHE_DIR`, default `~/.cache/pdmesh`, under `kernels/`), named by a
@@ -32,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("kernels") / name
-                for name in ("decode_attention.c", "decode_linear.c"))
+                for name in ("decode_attention.c", "decode_linear.c", "decode_pointwise.c"))
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno", "-shared",
          "-fPIC", "-fopenmp")
 SETTING = "PDMESH_NATIVE_KERNELS"
@@ -112,6 +113,13 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+    fn = lib.pd_decode_rope_kv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [
+        ctypes.c_int64] + [ctypes.c_void_p] * 3
+    fn = lib.pd_decode_silu_mul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
@@ -177,28 +185,60 @@ class DecodeAttention:
         """`page_counts[i]`: how many pages storage i has. The kernel reads through raw
         addresses, so every page id is checked against it here (the engine's lease checks
         ran before; this keeps a wrong page table from reading outside the storage)."""
+        n = len(bases)
+        if not (len(page_tokens) == len(page_strides) == len(pages) == len(lengths)
+                == len(page_counts) == n):
+            raise ValueError("one base, page size, stride, page table, length and page "
+                             "count per segment")
+        self._setup(n, keep, pages, (bases, page_tokens, page_strides, lengths), page_counts)
+
+    @classmethod
+    def over_pool(cls, pool: torch.Tensor, page_tokens: int, pages: list[np.ndarray],
+                  lengths: list[int]) -> DecodeAttention:
+        """Every segment's pages in one pool tensor [pages, ...] (page p starts p *
+        pool[0].numel() floats in): the per-step set-up of a paged decode, made cheap."""
+        self = cls.__new__(cls)
+        n = len(pages)
+        if len(lengths) != n:
+            raise ValueError("one length per segment")
+        self._setup(n, [pool], pages, (pool.data_ptr(), page_tokens, pool[0].numel(),
+                                       lengths), pool.shape[0])
+        return self
+
+    def _setup(self, n: int, keep: list[torch.Tensor], pages: list[np.ndarray],
+               columns: tuple, page_counts: list[int] | int) -> None:
+        """One int64 buffer: bases, page sizes, strides, lengths (n each), the n + 1 offsets
+        of each segment's pages, then the page ids: one address to hand to ctypes."""
         self._keep = keep  # the tensors the addresses point into stay alive
-        self.n = len(bases)
-        sizes = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
-        self.pages = np.ascontiguousarray(np.concatenate(pages), dtype=np.int64)
-        counts = np.asarray(page_counts, dtype=np.int64)
-        if len(counts) != self.n:
-            raise ValueError("one page count per segment")
-        bad = (self.pages < 0) | (self.pages >= np.repeat(counts, sizes))
-        if bad.any():
-            i = int(np.searchsorted(np.cumsum(sizes), int(np.argmax(bad)), side="right"))
+        self.n = n
+        sizes = np.fromiter(map(len, pages), dtype=np.int64, count=n)
+        buffer = np.empty(5 * n + 1 + int(sizes.sum()), dtype=np.int64)
+        for i, column in enumerate(columns):
+            buffer[i * n:(i + 1) * n] = column
+        starts = buffer[4 * n:5 * n + 1]
+        starts[0] = 0
+        np.cumsum(sizes, out=starts[1:])
+        ids = buffer[5 * n + 1:]
+        if n:
+            np.concatenate(pages, out=ids, casting="same_kind")
+        if isinstance(page_counts, int):  # one storage
+            bad = ids.size and (ids.min() < 0 or ids.max() >= page_counts)
+            counts = np.full(n, page_counts, dtype=np.int64)
+        else:
+            counts = np.asarray(page_counts, dtype=np.int64)
+            bad = ((ids < 0) | (ids >= np.repeat(counts, sizes))).any()
+        if bad:
+            flags = (ids < 0) | (ids >= np.repeat(counts, sizes))
+            i = int(np.searchsorted(starts[1:], int(np.argmax(flags)), side="right"))
             raise ValueError(f"segment {i}: page ids outside its storage of {counts[i]} "
                              "pages")
-        self.bases = np.asarray(bases, dtype=np.int64)
-        self.page_tokens = np.asarray(page_tokens, dtype=np.int64)
-        self.page_strides = np.asarray(page_strides, dtype=np.int64)
-        self.page_start = np.zeros(self.n + 1, dtype=np.int64)
-        np.cumsum(sizes, out=self.page_start[1:])
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self._buffer = buffer
+        self.pages, self.lengths = ids, buffer[3 * n:4 * n]
         self._fn = _library().pd_decode_attention  # type: ignore[union-attr]
-        self._ptrs = [a.ctypes.data for a in (
-            self.bases, self.page_tokens, self.page_strides, self.page_start, self.pages,
-            self.lengths)]
+        address = buffer.ctypes.data
+        # the kernel's order: bases, page sizes, strides, page offsets, page ids, lengths
+        self._ptrs = [address + 8 * offset for offset in (0, n, 2 * n, 4 * n, 5 * n + 1,
+                                                          3 * n)]
 
     def __call__(self, layer: int, q: torch.Tensor, kv_heads: int, head_dim: int
                  ) -> torch.Tensor:
@@ -238,4 +278,53 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                     m, dim, weight.data_ptr(), eps, out.data_ptr())
     if status != 0:
         raise ValueError(f"native rms_norm refused its arguments (status {status})")
+    return out
+
+
+def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            heads: int, kv_heads: int, targets: np.ndarray) -> torch.Tensor:
+    """RoPE of a decode step's q and k, and the append of its k and v
+    (kernels/decode_pointwise.c): qkv [m, (heads + 2 * kv_heads) * head_dim] (the fused
+    matmul's rows), positions [m] (int64), cos/sin [max_context, head_dim / 2] (the model's
+    tables), targets [2, m] int64: the byte addresses of each row's K and V slot, which the
+    caller computed from the request's own checked pages (`SegmentsKV.decode_targets`).
+    The same bits as the torch RoPE. Returns the rotated queries [m, heads, head_dim]."""
+    lib = _loaded()
+    m = qkv.shape[0] if qkv.dim() == 2 else -1
+    half = cos.shape[1] if cos.dim() == 2 else -1
+    head_dim = 2 * half
+    if (head_dim < 2 or not _plain(qkv, (m, (heads + 2 * kv_heads) * head_dim))
+            or not _plain(cos, (cos.shape[0], half)) or not _plain(sin, tuple(cos.shape))
+            or tuple(positions.shape) != (m,) or positions.dtype != torch.int64
+            or not positions.is_contiguous() or targets.shape != (2, m)
+            or targets.dtype != np.int64 or not targets.flags.c_contiguous):
+        raise ValueError(f"native rope_kv takes contiguous fp32 CPU qkv [m, (heads + 2 * "
+                         f"kv_heads) * head_dim], int64 positions [m], cos/sin [rows, "
+                         f"head_dim / 2] and int64 targets [2, m]; got {tuple(qkv.shape)}, "
+                         f"{tuple(positions.shape)}, {tuple(cos.shape)}, {targets.shape}")
+    q = torch.empty(m, heads, head_dim, dtype=torch.float32)
+    status = lib.pd_decode_rope_kv(qkv.data_ptr(), m, heads, kv_heads, head_dim,
+                                   positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                   cos.shape[0], q.data_ptr(), targets.ctypes.data,
+                                   targets.ctypes.data + 8 * m)
+    if status != 0:
+        raise ValueError(f"native rope_kv refused its arguments (status {status}): a "
+                         "position outside the tables or a null target")
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a decode step's rows, gate_up [m, 2 * ffn] (the fused gate/up
+    matmul's output; fp32 CPU, contiguous, ffn a multiple of 16): [m, ffn]. Each value
+    from its own row only (kernels/decode_pointwise.c)."""
+    lib = _loaded()
+    m, width = gate_up.shape if gate_up.dim() == 2 else (-1, -1)
+    ffn = width // 2
+    if not _plain(gate_up, (m, width)) or width % 32:
+        raise ValueError(f"native silu_mul takes contiguous fp32 CPU gate_up [m, 2 * ffn], "
+                         f"ffn a multiple of 16; got {tuple(gate_up.shape)} {gate_up.dtype}")
+    out = torch.empty(m, ffn, dtype=torch.float32)
+    status = lib.pd_decode_silu_mul(gate_up.data_ptr(), m, ffn, out.data_ptr())
+    if status != 0:
+        raise ValueError(f"native silu_mul refused its arguments (status {status})")
     return out

@@ -164,11 +164,25 @@ MUTATIONS = [
     Mutation("native-page-table", "native decode attention reads only the request's own "
              "pages (I3, I4)",
              "services/engine/runner.py",
-             "[tensor[0].numel()] * n, self.gather, self.lengths, [tensor],",
-             "[tensor[0].numel()] * n, [self.gather[-1]] * n, self.lengths, [tensor],",
+             "return DecodeAttention.over_pool(tensor, self.page_tokens, self.gather, "
+             "self.lengths)",
+             "return DecodeAttention.over_pool(tensor, self.page_tokens, "
+             "[self.gather[-1]] * len(self.gather), self.lengths)",
              ("tests/engine/test_engine_isolation.py::"
               "test_paged_decode_logits_bits_equal_reference_alone_and_batched",
               "tests/engine/test_engine_isolation.py::test_disaggregated_equals_reference")),
+    # The native K/V append writes through raw addresses: each row's must be its own slot.
+    Mutation("native-kv-append", "a decode row's K and V land in its own request's slot "
+             "(I3)",
+             "services/engine/runner.py",
+             "np.multiply(slots, row_bytes, out=out[:, 0])",
+             "np.multiply(slots[:, :1], row_bytes, out=out[:, 0])",
+             ("tests/engine/test_native_pointwise.py::"
+              "test_the_k_v_append_targets_are_each_rows_own_slot",
+              "tests/engine/test_native_pointwise.py::"
+              "test_a_decode_step_writes_only_its_rows_own_slots",
+              "tests/engine/test_engine_isolation.py::"
+              "test_paged_decode_logits_bits_equal_reference_alone_and_batched")),
     Mutation("native-linear-rows", "a decode row's matmul outputs are its own row's (I4: "
              "no request gets another's values)",
              "services/engine/kernels/decode_linear.c",
