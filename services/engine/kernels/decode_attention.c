@@ -103,6 +103,14 @@ static inline void prefetch_ahead(const float *block, const int64_t *pages, int6
     (void)first;
 }
 
+/* Store a block's 8 dots: whole, or its first m lanes where the row has no room. */
+static inline void put8(float *dst, v8 dots, int whole, int64_t m) {
+    if (whole)
+        *(v8 *)dst = dots;
+    else
+        for (int64_t j = 0; j < m; j++) dst[j] = dots[j];
+}
+
 static inline v8 vmax(v8 a, v8 b) {
     const v8i take_a = a > b;
     return (v8)(((v8i)a & take_a) | ((v8i)b & ~take_a));
@@ -161,21 +169,37 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
             float *sc = scores + h * group * stride_s + first;
             /* 8 tokens at a time: 8 independent accumulators per query row, then one
              * transposed reduction; one code path, so a token's dot is the same wherever
-             * its block starts */
+             * its block starts. Two query rows at a time share each K load. The 8 dots
+             * are stored whole where the padded score row has room (always when a page
+             * holds a multiple of 8 tokens): lanes past a tail block's end land at
+             * positions >= length, which the padding below overwrites. */
             for (int64_t s0 = 0; s0 < n; s0 += 8) {
                 const int64_t m = n - s0 < 8 ? n - s0 : 8;
-                for (int64_t g = 0; g < group; g++) {
+                const int whole = first + s0 + 8 <= stride_s;
+                const float *row[8];
+                for (int j = 0; j < 8; j++)  /* a tail block reads its last row again */
+                    row[j] = kh + (s0 + (j < m ? j : m - 1)) * kvw;
+                int64_t g = 0;
+                for (; g + 1 < group; g += 2) {
+                    v8 acc[8], acc2[8];
+                    for (int j = 0; j < 8; j++) acc[j] = acc2[j] = (v8){0};
+                    for (int64_t c = 0; c < chunks; c++)
+                        for (int j = 0; j < 8; j++) {
+                            const v8 k = *(const v8 *)(row[j] + 8 * c);
+                            acc[j] += qv[g][c] * k;
+                            acc2[j] += qv[g + 1][c] * k;
+                        }
+                    put8(sc + g * stride_s + s0, transpose_sums(acc) * scale, whole, m);
+                    put8(sc + (g + 1) * stride_s + s0, transpose_sums(acc2) * scale, whole,
+                         m);
+                }
+                if (g < group) {
                     v8 acc[8];
-                    const float *row[8];
-                    for (int j = 0; j < 8; j++) {
-                        acc[j] = (v8){0};  /* a tail block reads its last row again */
-                        row[j] = kh + (s0 + (j < m ? j : m - 1)) * kvw;
-                    }
+                    for (int j = 0; j < 8; j++) acc[j] = (v8){0};
                     for (int64_t c = 0; c < chunks; c++)
                         for (int j = 0; j < 8; j++)
                             acc[j] += qv[g][c] * *(const v8 *)(row[j] + 8 * c);
-                    const v8 dots = transpose_sums(acc) * scale;
-                    for (int64_t j = 0; j < m; j++) sc[g * stride_s + s0 + j] = dots[j];
+                    put8(sc + g * stride_s + s0, transpose_sums(acc) * scale, whole, m);
                 }
             }
         }
