@@ -77,17 +77,16 @@ static inline void prefetch_block(const float *p, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 2);
 }
 
-/* How far ahead to ask for pages: about PREFETCH_BYTES of one layer's K (or V) blocks,
- * at least 2 pages. A page's block of one layer is small (4 KB for a 16-token page of 2
- * KV heads of 64 B) and the next one lies a whole page (every layer) further, so the
- * hardware prefetcher, which stops at each 4 KiB boundary, cannot run ahead by itself. */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 32768
+/* How far ahead to ask for pages: PREFETCH_PAGES pages of one layer's K (or V) blocks.
+ * A page's block of one layer is small (4 KB for a 16-token page of 2 KV heads of 64 B)
+ * and the next one lies a whole page (every layer) further, so the hardware prefetcher,
+ * which stops at each 4 KiB boundary, cannot run ahead by itself. Measured in a decode
+ * step (tiny, 2 threads, one process, interleaved): 2 pages beat 1, 3, 4 and "32 KB" (8
+ * of tiny's pages) at batch 1 and 16 (paged/contiguous 0.93 against 0.88-0.90 at 16;
+ * SmolLM2's 12 KB blocks made 32 KB two pages already). */
+#ifndef PREFETCH_PAGES
+#define PREFETCH_PAGES 2
 #endif
-static inline int64_t pages_ahead(int64_t block_floats) {
-    const int64_t n = PREFETCH_BYTES / (4 * block_floats);
-    return n < 2 ? 2 : n;
-}
 
 /* While page `pi` (tokens from `first`) computes, ask for the same block `ahead` pages on
  * (and, at the first page, for pages 1 .. ahead - 1 too). `block` is the storage base plus
@@ -153,7 +152,7 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     float *out = job->out + seg * kv_heads * group * hd;
     const float scale = job->scale;
     const int64_t stride_s = (length + 15) / 16 * 16;  /* a score row, padded */
-    const int64_t ahead = pages_ahead(ptok * kvw);
+    const int64_t ahead = PREFETCH_PAGES;
 
     /* scores[(h * group + g) * stride_s + t] = q . k * scale */
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
