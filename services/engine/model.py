@@ -237,16 +237,20 @@ class PerSegmentKV:
 
     def decode_targets(self) -> np.ndarray:
         caches = [seg.kv.cache for seg in self.segments]  # type: ignore[attr-defined]
-        layers, _, max_tokens, kv_heads, head_dim = caches[0].shape
-        row_bytes = kv_heads * head_dim * caches[0].element_size()
-        out = np.empty((layers, 2, len(caches)), dtype=np.int64)
+        shape = caches[0].shape
+        layers, _, max_tokens, kv_heads, head_dim = shape
         for i, (seg, cache) in enumerate(zip(self.segments, caches, strict=True)):
-            if (seg.num_rows != 1 or not 0 <= seg.start_pos < cache.shape[2]
-                    or cache.shape != caches[0].shape or not cache.is_contiguous()):
+            if (seg.num_rows != 1 or not 0 <= seg.start_pos < max_tokens
+                    or cache.shape != shape or not cache.is_contiguous()):
                 raise ValueError(f"segment {i}: not one decode row inside its cache")
-            first = cache.data_ptr() + seg.start_pos * row_bytes
-            out[:, 0, i] = first + np.arange(layers) * (2 * max_tokens * row_bytes)
-            out[:, 1, i] = out[:, 0, i] + max_tokens * row_bytes
+        row_bytes = kv_heads * head_dim * caches[0].element_size()
+        first = np.fromiter((c.data_ptr() + seg.start_pos * row_bytes
+                             for c, seg in zip(caches, self.segments, strict=True)),
+                            np.int64, len(caches))
+        out = np.empty((layers, 2, len(caches)), dtype=np.int64)
+        out[:, 0] = first + np.arange(layers, dtype=np.int64)[:, None] * (
+            2 * max_tokens * row_bytes)
+        out[:, 1] = out[:, 0] + max_tokens * row_bytes
         return out
 
     def decode_attention(self) -> DecodeAttention:
@@ -519,7 +523,7 @@ class LlamaModel:
                 raise ValueError("a decode tile's segments are rows 0..n-1, one row each")
             attend = store.decode_attention()
             if self.native_linear() and n == len(segments):  # RoPE, K/V append, SiLU too
-                targets = store.decode_targets()
+                targets = native.KVAppend(store.decode_targets())
         if targets is None:
             cos = self.cos[positions][:, None, :]
             sin = self.sin[positions][:, None, :]
@@ -528,8 +532,7 @@ class LlamaModel:
             x, h = add_norm(x, delta, layer.attn_norm)
             qkv = linear(h, layer.wqkv, "qkv")
             if targets is not None:  # rotate q, k and append k, v in one native call
-                q = native.rope_kv(qkv, positions, self.cos, self.sin, heads, kv_heads,
-                                   targets[index])
+                q = targets(index, qkv, positions, self.cos, self.sin, heads, kv_heads)
             else:
                 qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
                 store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))

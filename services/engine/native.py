@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from functools import cache
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -201,8 +202,10 @@ class DecodeAttention:
         n = len(pages)
         if len(lengths) != n:
             raise ValueError("one length per segment")
-        self._setup(n, [pool], pages, (pool.data_ptr(), page_tokens, pool[0].numel(),
-                                       lengths), pool.shape[0])
+        if not pool.is_contiguous():
+            raise ValueError("the pool must be contiguous")
+        self._setup(n, [pool], pages, (pool.data_ptr(), page_tokens, pool.stride(0), lengths),
+                    pool.shape[0])
         return self
 
     def _setup(self, n: int, keep: list[torch.Tensor], pages: list[np.ndarray],
@@ -211,13 +214,14 @@ class DecodeAttention:
         of each segment's pages, then the page ids: one address to hand to ctypes."""
         self._keep = keep  # the tensors the addresses point into stay alive
         self.n = n
-        sizes = np.fromiter(map(len, pages), dtype=np.int64, count=n)
-        buffer = np.empty(5 * n + 1 + int(sizes.sum()), dtype=np.int64)
+        sizes = [len(p) for p in pages]
+        ends = list(accumulate(sizes))  # a few segments: plain ints are cheaper than numpy
+        buffer = np.empty(5 * n + 1 + (ends[-1] if n else 0), dtype=np.int64)
         for i, column in enumerate(columns):
             buffer[i * n:(i + 1) * n] = column
         starts = buffer[4 * n:5 * n + 1]
         starts[0] = 0
-        np.cumsum(sizes, out=starts[1:])
+        starts[1:] = ends
         ids = buffer[5 * n + 1:]
         if n:
             np.concatenate(pages, out=ids, casting="same_kind")
@@ -281,36 +285,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            heads: int, kv_heads: int, targets: np.ndarray) -> torch.Tensor:
+class KVAppend:
     """RoPE of a decode step's q and k, and the append of its k and v
-    (kernels/decode_pointwise.c): qkv [m, (heads + 2 * kv_heads) * head_dim] (the fused
-    matmul's rows), positions [m] (int64), cos/sin [max_context, head_dim / 2] (the model's
-    tables), targets [2, m] int64: the byte addresses of each row's K and V slot, which the
-    caller computed from the request's own checked pages (`SegmentsKV.decode_targets`).
-    The same bits as the torch RoPE. Returns the rotated queries [m, heads, head_dim]."""
-    lib = _loaded()
-    m = qkv.shape[0] if qkv.dim() == 2 else -1
-    half = cos.shape[1] if cos.dim() == 2 else -1
-    head_dim = 2 * half
-    if (head_dim < 2 or not _plain(qkv, (m, (heads + 2 * kv_heads) * head_dim))
-            or not _plain(cos, (cos.shape[0], half)) or not _plain(sin, tuple(cos.shape))
-            or tuple(positions.shape) != (m,) or positions.dtype != torch.int64
-            or not positions.is_contiguous() or targets.shape != (2, m)
-            or targets.dtype != np.int64 or not targets.flags.c_contiguous):
-        raise ValueError(f"native rope_kv takes contiguous fp32 CPU qkv [m, (heads + 2 * "
-                         f"kv_heads) * head_dim], int64 positions [m], cos/sin [rows, "
-                         f"head_dim / 2] and int64 targets [2, m]; got {tuple(qkv.shape)}, "
-                         f"{tuple(positions.shape)}, {tuple(cos.shape)}, {targets.shape}")
-    q = torch.empty(m, heads, head_dim, dtype=torch.float32)
-    status = lib.pd_decode_rope_kv(qkv.data_ptr(), m, heads, kv_heads, head_dim,
-                                   positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                   cos.shape[0], q.data_ptr(), targets.ctypes.data,
-                                   targets.ctypes.data + 8 * m)
-    if status != 0:
-        raise ValueError(f"native rope_kv refused its arguments (status {status}): a "
-                         "position outside the tables or a null target")
-    return q
+    (kernels/decode_pointwise.c), one call per layer. `targets` [layers, 2, m] int64: the
+    byte addresses of each row's K and V slot in every layer, which the caller computed
+    from the request's own checked pages (`SegmentsKV.decode_targets`); its address is
+    taken once here."""
+
+    def __init__(self, targets: np.ndarray) -> None:
+        if (targets.ndim != 3 or targets.shape[1] != 2 or targets.dtype != np.int64
+                or not targets.flags.c_contiguous):
+            raise ValueError(f"native K/V append targets are int64 [layers, 2, m], "
+                             f"contiguous; got {targets.shape} {targets.dtype}")
+        self._fn = _loaded().pd_decode_rope_kv
+        self.targets, self.layers, self.m = targets, targets.shape[0], targets.shape[2]
+        self._address = targets.ctypes.data
+
+    def __call__(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+                 ) -> torch.Tensor:
+        """qkv [m, (heads + 2 * kv_heads) * head_dim] (the fused matmul's rows), positions
+        [m] (int64), cos/sin [max_context, head_dim / 2] (the model's tables). The same
+        bits as the torch RoPE. Returns the rotated queries [m, heads, head_dim]."""
+        m, half = self.m, cos.shape[1] if cos.dim() == 2 else -1
+        head_dim = 2 * half
+        if (not 0 <= layer < self.layers or head_dim < 2
+                or not _plain(qkv, (m, (heads + 2 * kv_heads) * head_dim))
+                or not _plain(cos, (cos.shape[0], half)) or not _plain(sin, tuple(cos.shape))
+                or tuple(positions.shape) != (m,) or positions.dtype != torch.int64
+                or not positions.is_contiguous()):
+            raise ValueError(f"native rope_kv takes a layer < {self.layers}, contiguous "
+                             f"fp32 CPU qkv [{m}, (heads + 2 * kv_heads) * head_dim], int64 "
+                             f"positions [{m}] and cos/sin [rows, head_dim / 2]; got layer "
+                             f"{layer}, {tuple(qkv.shape)}, {tuple(positions.shape)}, "
+                             f"{tuple(cos.shape)}")
+        q = torch.empty(m, heads, head_dim, dtype=torch.float32)
+        k_dst = self._address + 16 * m * layer
+        status = self._fn(qkv.data_ptr(), m, heads, kv_heads, head_dim, positions.data_ptr(),
+                          cos.data_ptr(), sin.data_ptr(), cos.shape[0], q.data_ptr(), k_dst,
+                          k_dst + 8 * m)
+        if status != 0:
+            raise ValueError(f"native rope_kv refused its arguments (status {status}): a "
+                             "position outside the tables or a null target")
+        return q
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

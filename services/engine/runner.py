@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
@@ -59,6 +60,14 @@ class PagedKV:
         return PagedSegmentsKV(segments)
 
 
+@cache
+def _layer_steps(num_layers: int, page_tokens: int) -> np.ndarray:
+    """[layers, 1]: how many token slots layer l's K lies after layer 0's in a page."""
+    steps = np.arange(num_layers, dtype=np.int64)[:, None] * (2 * page_tokens)
+    steps.flags.writeable = False
+    return steps
+
+
 class PagedSegmentsKV:
     """The paged KV of one forward's segments (issue 17, change 3 in README.md).
 
@@ -83,12 +92,23 @@ class PagedSegmentsKV:
         # Per segment, its pages 0..length (what its attention reads).
         self.gather = [lease.page_array[:pages_for(length, size)]
                        for lease, length in zip(leases, self.lengths, strict=True)]
+        # Token slots in the view [pages * layers * 2 * page_tokens, kv_heads, head_dim]:
+        # K of (page, layer, offset) at ((page * layers + layer) * 2 + 0) * page_tokens +
+        # offset, V one page_tokens further. `_slots` [layers, rows]: the K slot of each
+        # row in each layer. The torch index tensors and views are built on first use
+        # (`write`, `read`): a decode step whose K/V append and attention run natively
+        # uses neither.
+        page_slots = num_layers * 2 * size
+        self.rows: slice | torch.Tensor
         if all(seg.num_rows == 1 for seg in segments):  # a decode step: scalars per row
             n = len(segments)
-            offset_array = np.fromiter((seg.start_pos % size for seg in segments), np.int64, n)
-            page_array = np.fromiter((lease.page_ids[seg.start_pos // size] for lease, seg
-                                      in zip(leases, segments, strict=True)), np.int64, n)
-            row_index = np.fromiter((seg.row for seg in segments), np.int64, n)
+            first_slots = np.fromiter(
+                (lease.page_ids[seg.start_pos // size] * page_slots + seg.start_pos % size
+                 for lease, seg in zip(leases, segments, strict=True)), np.int64, n)
+            self._rows_in_order = all(seg.row == i for i, seg in enumerate(segments))
+            self.rows = slice(0, n)
+            if not self._rows_in_order:
+                self.rows = torch.tensor([seg.row for seg in segments], device=device)
         else:
             pages, offsets, rows = [], [], []
             for lease, seg in zip(leases, segments, strict=True):
@@ -96,19 +116,13 @@ class PagedSegmentsKV:
                 pages.append(lease.page_array[positions // size])
                 offsets.append(positions % size)
                 rows.append(np.arange(seg.row, seg.row + seg.num_rows))
-            page_array, offset_array = np.concatenate(pages), np.concatenate(offsets)
+            first_slots = np.concatenate(pages) * page_slots + np.concatenate(offsets)
             row_index = np.concatenate(rows)
-        self.rows: slice | torch.Tensor = slice(0, len(row_index))
-        self._rows_in_order = bool(np.array_equal(row_index, np.arange(len(row_index))))
-        if not self._rows_in_order:
-            self.rows = torch.from_numpy(row_index).to(device)
-        # Token slots in the view [pages * layers * 2 * page_tokens, kv_heads, head_dim]:
-        # K of (page, layer, offset) at ((page * layers + layer) * 2 + 0) * page_tokens +
-        # offset, V one page_tokens further. The torch index tensors and views are built
-        # on first use (`write`, `read`): a decode step whose K/V append and attention run
-        # natively uses neither (~20 us a step saved).
-        layer_step = np.arange(num_layers)[:, None] * (2 * size)
-        self._slots = page_array[None, :] * (num_layers * 2 * size) + layer_step + offset_array
+            self.rows = slice(0, len(row_index))
+            self._rows_in_order = bool(np.array_equal(row_index, np.arange(len(row_index))))
+            if not self._rows_in_order:
+                self.rows = torch.from_numpy(row_index).to(device)
+        self._slots = first_slots[None, :] + _layer_steps(num_layers, size)
         self.num_layers, self.page_tokens = num_layers, size
         self._torch_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._gather_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None

@@ -30,8 +30,13 @@ def _tables(head_dim: int, rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _targets(k_rows: torch.Tensor, v_rows: torch.Tensor) -> np.ndarray:
-    return np.array([[row.data_ptr() for row in k_rows], [row.data_ptr() for row in v_rows]],
+    """One layer's [1, 2, m] byte addresses: row i's K into k_rows[i], V into v_rows[i]."""
+    return np.array([[[row.data_ptr() for row in k_rows], [row.data_ptr() for row in v_rows]]],
                     dtype=np.int64)
+
+
+def rope_kv(qkv, positions, cos, sin, heads, kv_heads, targets) -> torch.Tensor:
+    return native.KVAppend(targets)(0, qkv, positions, cos, sin, heads, kv_heads)
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -42,7 +47,7 @@ def test_rope_kv_gives_the_torch_ropes_bits_and_appends_k_and_v(geometry) -> Non
     qkv = torch.randn(m, (heads + 2 * kv_heads) * head_dim)
     positions = torch.tensor([0, 1, 15, 16, 511, 1000, 2047])
     k_rows, v_rows = torch.zeros(m, kv_heads, head_dim), torch.zeros(m, kv_heads, head_dim)
-    q = native.rope_kv(qkv, positions, cos, sin, heads, kv_heads, _targets(k_rows, v_rows))
+    q = rope_kv(qkv, positions, cos, sin, heads, kv_heads, _targets(k_rows, v_rows))
     qk_dim = (heads + kv_heads) * head_dim
     expected = _rope(qkv[:, :qk_dim].view(m, heads + kv_heads, head_dim),
                      cos[positions][:, None], sin[positions][:, None])
@@ -58,20 +63,24 @@ def test_rope_kv_refuses_what_it_cannot_serve_and_writes_nothing() -> None:
     k_rows, v_rows = torch.zeros(2, kv_heads, head_dim), torch.zeros(2, kv_heads, head_dim)
     targets = _targets(k_rows, v_rows)
     with pytest.raises(ValueError, match="position outside the tables"):
-        native.rope_kv(qkv, torch.tensor([3, 64]), cos, sin, heads, kv_heads, targets)
+        rope_kv(qkv, torch.tensor([3, 64]), cos, sin, heads, kv_heads, targets)
     with pytest.raises(ValueError, match="position outside the tables"):
-        native.rope_kv(qkv, torch.tensor([-1, 2]), cos, sin, heads, kv_heads, targets)
+        rope_kv(qkv, torch.tensor([-1, 2]), cos, sin, heads, kv_heads, targets)
     null = targets.copy()
-    null[1, 1] = 0
+    null[0, 1, 1] = 0
     with pytest.raises(ValueError, match="null target"):
-        native.rope_kv(qkv, torch.tensor([3, 4]), cos, sin, heads, kv_heads, null)
+        rope_kv(qkv, torch.tensor([3, 4]), cos, sin, heads, kv_heads, null)
     assert not k_rows.any() and not v_rows.any()  # refused before the first byte
-    with pytest.raises(ValueError, match="int64 targets"):
-        native.rope_kv(qkv, torch.tensor([3, 4]), cos, sin, heads, kv_heads, targets[:, :1])
+    with pytest.raises(ValueError, match="int64 \\[layers, 2, m\\]"):
+        rope_kv(qkv, torch.tensor([3, 4]), cos, sin, heads, kv_heads, targets[0])
+    with pytest.raises(ValueError, match="a layer < 1"):
+        native.KVAppend(targets)(1, qkv, torch.tensor([3, 4]), cos, sin, heads, kv_heads)
+    with pytest.raises(ValueError, match="int64 positions"):  # one target row, two rows
+        rope_kv(qkv, torch.tensor([3, 4]), cos, sin, heads, kv_heads, targets[:, :, :1].copy())
     with pytest.raises(ValueError, match="contiguous fp32"):
-        native.rope_kv(qkv[:, :-1], torch.tensor([3, 4]), cos, sin, heads, kv_heads, targets)
+        rope_kv(qkv[:, :-1], torch.tensor([3, 4]), cos, sin, heads, kv_heads, targets)
     with pytest.raises(ValueError, match="int64 positions"):
-        native.rope_kv(qkv, torch.tensor([3, 4], dtype=torch.int32), cos, sin, heads,
+        rope_kv(qkv, torch.tensor([3, 4], dtype=torch.int32), cos, sin, heads,
                        kv_heads, targets)
 
 
