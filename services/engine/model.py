@@ -410,6 +410,7 @@ class LlamaModel:
         self.sin = angles.sin().to(torch.float32).to(self.device)
         self._plan_for_threads: tuple[int, DecodePlan] | None = None
         self._native_shapes: bool | None = None
+        self._decode_layers: native.DecodeLayers | None = None
 
     def native_linear(self) -> bool:
         """Whether decode matmuls run in the native kernel (`native.linear`,
@@ -422,6 +423,16 @@ class LlamaModel:
             self._native_shapes = all(native.linear_takes(tuple(t.shape))
                                       for ts in self._role_weights().values() for t in ts)
         return self._native_shapes
+
+    def _native_layers(self) -> native.DecodeLayers:
+        """Every layer of a decode step in one native call (built once: the weights'
+        addresses, checked)."""
+        if self._decode_layers is None:
+            cfg = self.config
+            self._decode_layers = native.DecodeLayers(self.weights.layers, cfg.n_heads,
+                                                      cfg.n_kv_heads, cfg.head_dim,
+                                                      cfg.norm_eps)
+        return self._decode_layers
 
     @property
     def decode_tiles(self) -> tuple[int, ...]:
@@ -522,21 +533,21 @@ class LlamaModel:
             if any(seg.row != i or seg.num_rows != 1 for i, seg in enumerate(segments)):
                 raise ValueError("a decode tile's segments are rows 0..n-1, one row each")
             attend = store.decode_attention()
-            if self.native_linear() and n == len(segments):  # RoPE, K/V append, SiLU too
-                targets = native.KVAppend(store.decode_targets())
-        if targets is None:
-            cos = self.cos[positions][:, None, :]
-            sin = self.sin[positions][:, None, :]
+            if self.native_linear() and n == len(segments):  # all of it native: one call
+                targets = store.decode_targets()
         x, delta = w.embed[token_ids], None  # delta: the residual branch not yet added to x
+        if attend is not None and targets is not None:  # every layer in one native call
+            delta = self._native_layers()(x, None, positions, self.cos, self.sin, attend,
+                                          targets)
+            return native.rms_norm(x, w.norm, eps, delta)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
         for index, layer in enumerate(w.layers):
             x, h = add_norm(x, delta, layer.attn_norm)
             qkv = linear(h, layer.wqkv, "qkv")
-            if targets is not None:  # rotate q, k and append k, v in one native call
-                q = targets(index, qkv, positions, self.cos, self.sin, heads, kv_heads)
-            else:
-                qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
-                store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
-                q = qk[:, :heads]
+            qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
+            store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
+            q = qk[:, :heads]
             per_segment: Iterable = ()
             if attend is not None and n == len(segments):  # no padding rows: as it comes
                 attn = attend(index, q, kv_heads, hd)
@@ -565,13 +576,8 @@ class LlamaModel:
                                                          enable_gqa=True)
                 attn[rows] = out[0].transpose(0, 1)
             x, h = add_norm(x, linear(attn.view(n, cfg.q_dim), layer.wo, "o"), layer.ffn_norm)
-            gate_up = linear(h, layer.w_gate_up, "gate_up")
-            if targets is not None:
-                act = native.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            delta = linear(act, layer.w_down, "down")
+            gate, up = linear(h, layer.w_gate_up, "gate_up").chunk(2, dim=-1)
+            delta = linear(F.silu(gate) * up, layer.w_down, "down")
         return add_norm(x, delta, w.norm)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The engine's native decode kernels: paged decode attention (kernels/decode_attention.c),
 the decode matmuls and RMSNorm (kernels/decode_linear.c), RoPE with the K/V append and
-SiLU * up (kernels/decode_pointwise.c), one library.
+SiLU * up (kernels/decode_pointwise.c), and every layer of a decode step in one call
+(kernels/decode_layers.c), one library.
 
 Built on first use with the machine's C compiler (`cc`, or `$CC`) into the cache
 directory (`PDMESH_CACHE_DIR`, default `~/.cache/pdmesh`, under `kernels/`), named by a
@@ -34,7 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("kernels") / name
-                for name in ("decode_attention.c", "decode_linear.c", "decode_pointwise.c"))
+                for name in ("decode_attention.c", "decode_linear.c", "decode_pointwise.c",
+                             "decode_layers.c"))
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno", "-shared",
          "-fPIC", "-fopenmp")
 SETTING = "PDMESH_NATIVE_KERNELS"
@@ -121,6 +123,11 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.pd_decode_silu_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn = lib.pd_decode_layers
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_float]
+    lib.pd_decode_layers_fields.restype = ctypes.c_int64
+    lib.pd_decode_layers_fields.argtypes = []
     return lib
 
 
@@ -244,6 +251,11 @@ class DecodeAttention:
         self._ptrs = [address + 8 * offset for offset in (0, n, 2 * n, 4 * n, 5 * n + 1,
                                                           3 * n)]
 
+    def addresses(self) -> list[int]:
+        """The storage description's addresses in the kernel's argument order (bases, page
+        sizes, strides, page offsets, page ids, lengths); valid while this object lives."""
+        return self._ptrs
+
     def __call__(self, layer: int, q: torch.Tensor, kv_heads: int, head_dim: int
                  ) -> torch.Tensor:
         """Attention of q [n, heads, head_dim] (one row per request, in order) over each
@@ -345,3 +357,90 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if status != 0:
         raise ValueError(f"native silu_mul refused its arguments (status {status})")
     return out
+
+
+# kernels/decode_layers.c: the order of the step array and of a layer's weights
+_STEP_FIELDS = ("m", "dim", "heads", "kv_heads", "head_dim", "ffn", "layers", "threads", "x",
+                "delta", "h", "qkv", "q", "attn", "gate_up", "act", "positions", "cos", "sin",
+                "table_rows", "targets", "bases", "page_tokens", "page_stride", "page_start",
+                "pages", "lengths", "has_delta")
+LAYER_WEIGHTS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
+_STAGES = ("", "attention norm", "qkv matmul", "RoPE / K-V append", "attention", "o matmul",
+           "ffn norm", "gate/up matmul", "SiLU * up", "down matmul")
+
+
+class DecodeLayers:
+    """Every layer of a decode step in one native call (kernels/decode_layers.c): the same
+    kernels in the same order as the per-layer calls (`rms_norm`, `linear`, `KVAppend`,
+    `DecodeAttention`, `silu_mul`), hence the same bits, without Python between them.
+    Built once per model: the weights are checked here (fp32 CPU contiguous, the shapes
+    the kernels take) and their addresses kept."""
+
+    def __init__(self, layers: list, heads: int, kv_heads: int, head_dim: int,
+                 eps: float) -> None:
+        if not layers or heads % kv_heads:
+            raise ValueError("decode layers need at least one layer and heads a multiple "
+                             "of kv_heads")
+        dim = layers[0].attn_norm.shape[0]
+        ffn = layers[0].w_down.shape[1]
+        q_dim, qkv_dim = heads * head_dim, (heads + 2 * kv_heads) * head_dim
+        shapes = {"attn_norm": (dim,), "wqkv": (qkv_dim, dim), "wo": (dim, q_dim),
+                  "ffn_norm": (dim,), "w_gate_up": (2 * ffn, dim), "w_down": (dim, ffn)}
+        for i, layer in enumerate(layers):
+            for name in LAYER_WEIGHTS:
+                t = getattr(layer, name)
+                if not _plain(t, shapes[name]) or (t.dim() == 2 and not linear_takes(t.shape)):
+                    raise ValueError(f"layer {i} {name}: {tuple(t.shape)} {t.dtype} is not a "
+                                     f"contiguous fp32 CPU {shapes[name]} the kernels take")
+        if dim % LINEAR_LANES or ffn % LINEAR_LANES or head_dim % 8:
+            raise ValueError(f"dim {dim}, ffn {ffn} (multiples of {LINEAR_LANES}) and "
+                             f"head_dim {head_dim} (of 8) do not suit the kernels")
+        self._keep = [getattr(layer, name) for layer in layers for name in LAYER_WEIGHTS]
+        self.weights = np.array([t.data_ptr() for t in self._keep], dtype=np.int64)
+        self._weights_address = self.weights.ctypes.data
+        self.layers, self.dim, self.ffn = len(layers), dim, ffn
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.eps, self.scale = eps, head_dim ** -0.5
+        self._sizes = (dim, qkv_dim, q_dim, q_dim, 2 * ffn, ffn, dim)  # h .. act, delta
+        lib = _loaded()
+        if lib.pd_decode_layers_fields() != len(_STEP_FIELDS):
+            raise NativeUnavailable("kernels/decode_layers.c and native.py disagree on the "
+                                    "step's fields")
+        self._fn = lib.pd_decode_layers
+
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, attend: DecodeAttention,
+                 targets: np.ndarray) -> torch.Tensor:
+        """Run every layer over x [m, dim] (updated in place: the residual stream), with
+        `delta` the residual branch not yet added to x (or None). `attend`: the step's
+        attention storage (m rows), `targets` [layers, 2, m]: where each row's K and V go
+        (`SegmentsKV.decode_targets`). Returns the last layer's down projection (the
+        branch the final norm adds)."""
+        m = x.shape[0] if x.dim() == 2 else -1
+        half = self.head_dim // 2
+        if (not _plain(x, (m, self.dim)) or (delta is not None and not _plain(delta, (m, self.dim)))
+                or tuple(positions.shape) != (m,) or positions.dtype != torch.int64
+                or not positions.is_contiguous() or not _plain(cos, (cos.shape[0], half))
+                or not _plain(sin, tuple(cos.shape)) or attend.n != m
+                or targets.shape != (self.layers, 2, m) or targets.dtype != np.int64
+                or not targets.flags.c_contiguous):
+            raise ValueError(f"decode layers take contiguous fp32 CPU x [m, {self.dim}], "
+                             f"int64 positions [m], cos/sin [rows, {half}], attention over m "
+                             f"rows and int64 targets [{self.layers}, 2, m]; got x "
+                             f"{tuple(x.shape)}, positions {tuple(positions.shape)}, "
+                             f"{attend.n} attention rows, targets {targets.shape}")
+        buffers = torch.empty(m * sum(self._sizes), dtype=torch.float32)
+        h, qkv, q, attn, gate_up, act, out = buffers.split([m * n for n in self._sizes])
+        if delta is not None:
+            out.copy_(delta.view(-1))
+        address = [b.data_ptr() for b in (h, qkv, q, attn, gate_up, act)]
+        step = np.array([m, self.dim, self.heads, self.kv_heads, self.head_dim, self.ffn,
+                         self.layers, torch.get_num_threads(), x.data_ptr(), out.data_ptr(),
+                         *address, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                         cos.shape[0], targets.ctypes.data, *attend.addresses(),
+                         int(delta is not None)], dtype=np.int64)
+        status = self._fn(step.ctypes.data, self._weights_address, self.eps, self.scale)
+        if status != 0:
+            raise ValueError(f"native decode layers refused their arguments at the "
+                             f"{_STAGES[(status >> 8) % len(_STAGES)]} (status {status & 0xff})")
+        return out.view(m, self.dim)
