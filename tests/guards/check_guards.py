@@ -137,6 +137,18 @@ MUTATIONS = [
              "        return epochs.tobytes() == cached[1][:epochs.nbytes]",
              "        return True",
              ("tests/kvstore",)),
+    Mutation("lease-read-check-inline", "the read check's fast path passes only a lease "
+             "whose every page carries its epoch (I2)",
+             "kvstore/pool.py",
+             "            if (epochs.tobytes() == cached[1][:8 * count]",
+             "            if (True",
+             ("tests/kvstore",)),
+    Mutation("lease-read-check-inline-written", "the read check's fast path passes only "
+             "tokens this lease wrote in this epoch (I2)",
+             "kvstore/pool.py",
+             "                    and num_tokens <= self._prefix_written.get(lease.lease_id, 0)):",
+             "                    and True):",
+             ("tests/kvstore",)),
     Mutation("lease-write-check", "pool write check of a decode step's one token: the page "
              "carries the lease's epoch (I2)",
              "kvstore/pool.py",

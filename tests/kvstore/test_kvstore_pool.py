@@ -150,6 +150,25 @@ def test_written_counts_and_read_coverage() -> None:
     assert_nothing_leaked(pool)
 
 
+def test_the_read_checks_fast_path_still_sees_every_pages_epoch() -> None:
+    """After reads have warmed the check's fast path (every decode step's case), a page of
+    a live lease that carries another epoch (handed to another holder by a bug elsewhere,
+    the lease's written prefix intact) is still refused, naming that page."""
+    pool = make_pool(num_pages=8, page_tokens=4)
+    lease = pool.allocate("tenant-a", 12)
+    fill(pool, lease, 1.0)
+    pool.check_readable(lease, 12)
+    pool.check_readable(lease, 12)  # the fast path
+    pool._page_epoch[lease.page_ids[1]] = lease.epoch + 1
+    with pytest.raises(LeaseAccessError) as info:
+        pool.check_readable(lease, 12)
+    assert info.value.page_id == lease.page_ids[1] and "epoch" in info.value.reason
+    pool._page_epoch[lease.page_ids[1]] = lease.epoch
+    pool.check_readable(lease, 12)
+    pool.release(lease, "done")
+    assert_nothing_leaked(pool)
+
+
 def test_read_through_stale_epoch_raises() -> None:
     """The incident's shape: a dead request's lease reads pages now holding another
     tenant's KV. Both the lease-liveness check and the per-page epoch tag must refuse."""
