@@ -499,6 +499,16 @@ class LlamaModel:
         if len(kinds) != 1:
             raise ValueError(f"one forward needs one KV store type, got {sorted(map(str, kinds))}")
         store = kinds.pop().for_segments(segments)
+        eps = cfg.norm_eps
+        if decode and n == len(segments) and self.native_linear():
+            # All of it native (no padding rows): every layer in one call.
+            if any(seg.row != i or seg.num_rows != 1 for i, seg in enumerate(segments)):
+                raise ValueError("a decode tile's segments are rows 0..n-1, one row each")
+            attend, targets = store.decode_attention(), store.decode_targets()
+            x = w.embed[token_ids]
+            delta = self._native_layers()(x, None, positions, self.cos, self.sin, attend,
+                                          targets)
+            return native.rms_norm(x, w.norm, eps, delta)
         masks = []
         for seg in segments:  # causal within the chunk, all earlier chunks visible
             mask = None
@@ -510,7 +520,6 @@ class LlamaModel:
                 mask = torch.zeros(key_pos.shape[0], dtype=self.dtype, device=self.device
                                    ).masked_fill(key_pos > query_pos[:, None], float("-inf"))
             masks.append(mask)
-        eps = cfg.norm_eps
 
         def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,25 +530,14 @@ class LlamaModel:
 
         if not decode:
             linear = lambda x, weight, role: F.linear(x, weight)  # noqa: E731
-        elif self.native_linear():
-            linear = lambda x, weight, role: native.linear(x, weight)  # noqa: E731
-
-            def add_norm(x, delta, weight):  # one call per norm, the add fused (in place)
-                return x, native.rms_norm(x, weight, eps, delta)
-        else:
+        else:  # the torch decode matmuls (the native ones ran above)
             linear = self._decode_linear
-        attend, targets = None, None
+        attend = None
         if decode and native.usable(self.device, self.dtype):
             if any(seg.row != i or seg.num_rows != 1 for i, seg in enumerate(segments)):
                 raise ValueError("a decode tile's segments are rows 0..n-1, one row each")
             attend = store.decode_attention()
-            if self.native_linear() and n == len(segments):  # all of it native: one call
-                targets = store.decode_targets()
         x, delta = w.embed[token_ids], None  # delta: the residual branch not yet added to x
-        if attend is not None and targets is not None:  # every layer in one native call
-            delta = self._native_layers()(x, None, positions, self.cos, self.sin, attend,
-                                          targets)
-            return native.rms_norm(x, w.norm, eps, delta)
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         for index, layer in enumerate(w.layers):
