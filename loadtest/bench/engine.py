@@ -18,7 +18,8 @@ tokens), `paged_vs_contiguous_b1` / `_b16`,
 `lease_check_pct_of_step_b16`, and `native_decode_attention` / `native_decode_linear`
 (whether decode attention / the decode matmuls ran in the native kernels,
 services/engine/native.py).
-Figures are medians of interleaved runs (with --cpu-time: the best process CPU time, for
+Figures are medians of interleaved runs (paged and contiguous decode alternate which runs
+first after the dense forward; with --cpu-time: the best process CPU time, for
 a loaded machine; use it with --threads 1); `load_avg_1m_start` / `_end` say how busy the
 machine was. Bounded: ~20 s with `tiny`, ~2 min with `smollm2` on 2 cores.
 With --json the last stdout line is one JSON object.
@@ -137,9 +138,13 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
         cposition[0] += 1
 
     paged, contiguous, dense = [], [], []
-    for _ in range(steps // 2):
-        paged.append(_median(paged_step, 1))
-        contiguous.append(_median(contiguous_step, 1))
+    for i in range(steps // 2):
+        # Paged and contiguous take turns at running first after the dense forward: that
+        # one pays for the caches the dense forward took (3-8 % of a tiny batch-1 step,
+        # measured either way round, warm-up call included), which the ratio must not
+        # charge to one of them.
+        for fn, out in ((paged_step, paged), (contiguous_step, contiguous))[::1 - 2 * (i % 2)]:
+            out.append(_median(fn, 1))
         dense.append(_median(lambda: dense_forward(engine.config, dense_weights, dense_ids), 1))
     results = {f"decode_step_s_b{batch}": float(_Clock.reduce(paged)),
                f"contiguous_step_s_b{batch}": float(_Clock.reduce(contiguous)),
