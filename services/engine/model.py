@@ -429,9 +429,9 @@ class LlamaModel:
         addresses, checked)."""
         if self._decode_layers is None:
             cfg = self.config
-            self._decode_layers = native.DecodeLayers(self.weights.layers, cfg.n_heads,
-                                                      cfg.n_kv_heads, cfg.head_dim,
-                                                      cfg.norm_eps)
+            self._decode_layers = native.DecodeLayers(self.weights.layers, self.weights.norm,
+                                                      cfg.n_heads, cfg.n_kv_heads,
+                                                      cfg.head_dim, cfg.norm_eps)
         return self._decode_layers
 
     @property
@@ -505,10 +505,8 @@ class LlamaModel:
             if any(seg.row != i or seg.num_rows != 1 for i, seg in enumerate(segments)):
                 raise ValueError("a decode tile's segments are rows 0..n-1, one row each")
             attend, targets = store.decode_attention(), store.decode_targets()
-            x = w.embed[token_ids]
-            delta = self._native_layers()(x, None, positions, self.cos, self.sin, attend,
-                                          targets)
-            return native.rms_norm(x, w.norm, eps, delta)
+            return self._native_layers()(w.embed[token_ids], positions, self.cos, self.sin,
+                                         attend, targets)
         masks = []
         for seg in segments:  # causal within the chunk, all earlier chunks visible
             mask = None

@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from functools import cache
 from itertools import accumulate
 from pathlib import Path
@@ -363,21 +364,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 _STEP_FIELDS = ("m", "dim", "heads", "kv_heads", "head_dim", "ffn", "layers", "threads", "x",
                 "delta", "h", "qkv", "q", "attn", "gate_up", "act", "positions", "cos", "sin",
                 "table_rows", "targets", "bases", "page_tokens", "page_stride", "page_start",
-                "pages", "lengths", "has_delta")
+                "pages", "lengths", "norm", "hidden")
 LAYER_WEIGHTS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
 _STAGES = ("", "attention norm", "qkv matmul", "RoPE / K-V append", "attention", "o matmul",
-           "ffn norm", "gate/up matmul", "SiLU * up", "down matmul")
+           "ffn norm", "gate/up matmul", "SiLU * up", "down matmul", "final norm")
 
 
 class DecodeLayers:
-    """Every layer of a decode step in one native call (kernels/decode_layers.c): the same
-    kernels in the same order as the per-layer calls (`rms_norm`, `linear`, `KVAppend`,
-    `DecodeAttention`, `silu_mul`), hence the same bits, without Python between them.
-    Built once per model: the weights are checked here (fp32 CPU contiguous, the shapes
-    the kernels take) and their addresses kept."""
+    """Every layer of a decode step and the final norm in one native call
+    (kernels/decode_layers.c): the same kernels in the same order as the per-layer calls
+    (`rms_norm`, `linear`, `KVAppend`, `DecodeAttention`, `silu_mul`), hence the same bits,
+    without Python between them. Built once per model: the weights are checked here (fp32
+    CPU contiguous, the shapes the kernels take) and their addresses kept. The step's
+    scratch is kept too (allocated per step it was ~0.24 MB for tiny at 16 rows: fresh pages
+    from the OS every step); a lock keeps two threads from sharing it."""
 
-    def __init__(self, layers: list, heads: int, kv_heads: int, head_dim: int,
-                 eps: float) -> None:
+    def __init__(self, layers: list, norm: torch.Tensor, heads: int, kv_heads: int,
+                 head_dim: int, eps: float) -> None:
         if not layers or heads % kv_heads:
             raise ValueError("decode layers need at least one layer and heads a multiple "
                              "of kv_heads")
@@ -392,55 +395,69 @@ class DecodeLayers:
                 if not _plain(t, shapes[name]) or (t.dim() == 2 and not linear_takes(t.shape)):
                     raise ValueError(f"layer {i} {name}: {tuple(t.shape)} {t.dtype} is not a "
                                      f"contiguous fp32 CPU {shapes[name]} the kernels take")
+        if not _plain(norm, (dim,)):
+            raise ValueError(f"the final norm: {tuple(norm.shape)} is not fp32 CPU ({dim},)")
         if dim % LINEAR_LANES or ffn % LINEAR_LANES or head_dim % 8:
             raise ValueError(f"dim {dim}, ffn {ffn} (multiples of {LINEAR_LANES}) and "
                              f"head_dim {head_dim} (of 8) do not suit the kernels")
-        self._keep = [getattr(layer, name) for layer in layers for name in LAYER_WEIGHTS]
-        self.weights = np.array([t.data_ptr() for t in self._keep], dtype=np.int64)
-        self._weights_address = self.weights.ctypes.data
-        self.layers, self.dim, self.ffn = len(layers), dim, ffn
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.eps, self.scale = eps, head_dim ** -0.5
-        self._sizes = (dim, qkv_dim, q_dim, q_dim, 2 * ffn, ffn, dim)  # h .. act, delta
         lib = _loaded()
         if lib.pd_decode_layers_fields() != len(_STEP_FIELDS):
             raise NativeUnavailable("kernels/decode_layers.c and native.py disagree on the "
                                     "step's fields")
         self._fn = lib.pd_decode_layers
+        self._keep = [getattr(layer, name) for layer in layers for name in LAYER_WEIGHTS]
+        self._keep.append(norm)
+        self.weights = np.array([t.data_ptr() for t in self._keep[:-1]], dtype=np.int64)
+        self._weights_address = self.weights.ctypes.data
+        self._norm_address = norm.data_ptr()
+        self.layers, self.dim, self.ffn = len(layers), dim, ffn
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.eps, self.scale = eps, head_dim ** -0.5
+        self._sizes = (dim, qkv_dim, q_dim, q_dim, 2 * ffn, ffn, dim)  # h .. act, delta
+        self._scratch: list[int] = []  # the buffers' addresses, for `_rows` rows
+        self._rows = 0
+        self._buffer = torch.empty(0)
+        self._lock = threading.Lock()
 
-    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, attend: DecodeAttention,
-                 targets: np.ndarray) -> torch.Tensor:
-        """Run every layer over x [m, dim] (updated in place: the residual stream), with
-        `delta` the residual branch not yet added to x (or None). `attend`: the step's
+    def _scratch_for(self, m: int) -> list[int]:
+        if m > self._rows:
+            self._rows = max(m, 16)
+            self._buffer = torch.empty(self._rows * sum(self._sizes), dtype=torch.float32)
+            parts = self._buffer.split([self._rows * n for n in self._sizes])
+            self._scratch = [part.data_ptr() for part in parts]
+        return self._scratch
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, attend: DecodeAttention, targets: np.ndarray
+                 ) -> torch.Tensor:
+        """Run every layer over x [m, dim] (the embeddings; updated in place: the residual
+        stream) and return the final norm of the result [m, dim]. `attend`: the step's
         attention storage (m rows), `targets` [layers, 2, m]: where each row's K and V go
-        (`SegmentsKV.decode_targets`). Returns the last layer's down projection (the
-        branch the final norm adds)."""
+        (`SegmentsKV.decode_targets`)."""
         m = x.shape[0] if x.dim() == 2 else -1
         half = self.head_dim // 2
-        if (not _plain(x, (m, self.dim)) or (delta is not None and not _plain(delta, (m, self.dim)))
+        if (not _plain(x, (m, self.dim)) or m < 1
                 or tuple(positions.shape) != (m,) or positions.dtype != torch.int64
                 or not positions.is_contiguous() or not _plain(cos, (cos.shape[0], half))
                 or not _plain(sin, tuple(cos.shape)) or attend.n != m
                 or targets.shape != (self.layers, 2, m) or targets.dtype != np.int64
                 or not targets.flags.c_contiguous):
-            raise ValueError(f"decode layers take contiguous fp32 CPU x [m, {self.dim}], "
+            raise ValueError(f"decode layers take contiguous fp32 CPU x [m >= 1, {self.dim}], "
                              f"int64 positions [m], cos/sin [rows, {half}], attention over m "
                              f"rows and int64 targets [{self.layers}, 2, m]; got x "
                              f"{tuple(x.shape)}, positions {tuple(positions.shape)}, "
                              f"{attend.n} attention rows, targets {targets.shape}")
-        buffers = torch.empty(m * sum(self._sizes), dtype=torch.float32)
-        h, qkv, q, attn, gate_up, act, out = buffers.split([m * n for n in self._sizes])
-        if delta is not None:
-            out.copy_(delta.view(-1))
-        address = [b.data_ptr() for b in (h, qkv, q, attn, gate_up, act)]
-        step = np.array([m, self.dim, self.heads, self.kv_heads, self.head_dim, self.ffn,
-                         self.layers, torch.get_num_threads(), x.data_ptr(), out.data_ptr(),
-                         *address, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                         cos.shape[0], targets.ctypes.data, *attend.addresses(),
-                         int(delta is not None)], dtype=np.int64)
-        status = self._fn(step.ctypes.data, self._weights_address, self.eps, self.scale)
+        hidden = torch.empty(m, self.dim, dtype=torch.float32)
+        with self._lock:
+            h, qkv, q, attn, gate_up, act, delta = self._scratch_for(m)
+            step = np.array([m, self.dim, self.heads, self.kv_heads, self.head_dim, self.ffn,
+                             self.layers, torch.get_num_threads(), x.data_ptr(), delta, h, qkv,
+                             q, attn, gate_up, act, positions.data_ptr(), cos.data_ptr(),
+                             sin.data_ptr(), cos.shape[0], targets.ctypes.data,
+                             *attend.addresses(), self._norm_address, hidden.data_ptr()],
+                            dtype=np.int64)
+            status = self._fn(step.ctypes.data, self._weights_address, self.eps, self.scale)
         if status != 0:
             raise ValueError(f"native decode layers refused their arguments at the "
                              f"{_STAGES[(status >> 8) % len(_STAGES)]} (status {status & 0xff})")
-        return out.view(m, self.dim)
+        return hidden

@@ -2,7 +2,8 @@
  *
  * The same kernels, in the same order, on the same values as the per-layer calls from
  * Python (RMSNorm with the residual add, the fused qkv matmul, RoPE and the K/V append,
- * the paged attention, the o matmul, RMSNorm, gate/up, SiLU * up, down), so the same bits:
+ * the paged attention, the o matmul, RMSNorm, gate/up, SiLU * up, down; then the final
+ * RMSNorm), so the same bits:
  * what changes is that Python no longer runs between them (a tiny step made ~40 calls
  * through ctypes, each with its checks and a fresh output tensor: ~0.2 ms of a 0.8 ms
  * batch-1 step).
@@ -11,7 +12,8 @@
  *   step[]: the step's geometry and buffers, see enum below;
  *   weights[layer * 6 + i]: addresses of attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down.
  * Returns 0, or (stage << 8) | the failing kernel's status: 1 attn norm, 2 qkv, 3 rope/kv,
- * 4 attention, 5 o, 6 ffn norm, 7 gate/up, 8 silu, 9 down; nothing after a failure runs.
+ * 4 attention, 5 o, 6 ffn norm, 7 gate/up, 8 silu, 9 down, 10 the final norm; nothing
+ * after a failure runs.
  */
 #include <stdint.h>
 
@@ -33,13 +35,13 @@ int pd_decode_silu_mul(const float *gate_up, int64_t m, int64_t ffn, float *out)
 enum {
     S_M, S_DIM, S_HEADS, S_KV_HEADS, S_HEAD_DIM, S_FFN, S_LAYERS, S_THREADS,
     S_X,        /* [m][dim] the residual stream, updated in place */
-    S_DELTA,    /* [m][dim] the residual branch not yet added to x (in: 0 at the first
-                 * layer's norm means none; out: the last layer's down projection) */
+    S_DELTA,    /* [m][dim] the residual branch not yet added to x (scratch) */
     S_H, S_QKV, S_Q, S_ATTN, S_GATE_UP, S_ACT, /* scratch */
     S_POSITIONS, S_COS, S_SIN, S_TABLE_ROWS,
     S_TARGETS,  /* [layers][2][m] byte addresses of each row's K and V slot */
     S_BASES, S_PAGE_TOKENS, S_PAGE_STRIDE, S_PAGE_START, S_PAGES, S_LENGTHS, /* attention */
-    S_HAS_DELTA,
+    S_NORM,     /* [dim] the final norm's weight */
+    S_HIDDEN,   /* [m][dim] out: the final norm of the residual stream */
     S_COUNT
 };
 
@@ -62,8 +64,7 @@ int pd_decode_layers(const int64_t *step, const int64_t *weights, float eps, flo
 #define RUN(stage, call) if ((status = (call)) != 0) return ((stage) << 8) | (status & 0xff)
     for (int64_t layer = 0; layer < layers; layer++) {
         const float *const *w = (const float *const *)(weights + 6 * layer);
-        const float *pending = layer == 0 && !step[S_HAS_DELTA] ? 0 : delta;
-        RUN(1, pd_decode_rms_norm(x, pending, m, dim, w[0], eps, h));
+        RUN(1, pd_decode_rms_norm(x, layer == 0 ? 0 : delta, m, dim, w[0], eps, h));
         RUN(2, pd_decode_linear(h, m, dim, w[1], qkv_dim, qkv, threads));
         RUN(3, pd_decode_rope_kv(qkv, m, heads, kv_heads, hd, PTR(const int64_t *, S_POSITIONS),
                                  PTR(const float *, S_COS), PTR(const float *, S_SIN),
@@ -83,6 +84,8 @@ int pd_decode_layers(const int64_t *step, const int64_t *weights, float eps, flo
         RUN(8, pd_decode_silu_mul(gate_up, m, ffn, act));
         RUN(9, pd_decode_linear(act, m, ffn, w[5], dim, delta, threads));
     }
+    RUN(10, pd_decode_rms_norm(x, delta, m, dim, PTR(const float *, S_NORM), eps,
+                               PTR(float *, S_HIDDEN)));
 #undef RUN
     return 0;
 }
