@@ -9,7 +9,9 @@ construction:
   kernels/decode_linear.c) that computes every output in one order fixed by the weight's
   in-features alone (16 FMA lanes, then a fixed tree), so a row's bits do not depend on
   the row count, its place or the thread count, and a step runs exactly its rows
-  (`NATIVE_TILES`). Otherwise (torch: no compiler, another device or dtype, a shape the
+  (`NATIVE_TILES`); the whole step (norms, matmuls, RoPE and the K/V append, attention)
+  then runs in one native call (`native.DecodeLayers`), every kernel row-wise or
+  per-request. Otherwise (torch: no compiler, another device or dtype, a shape the
   kernel refuses) the rest of this paragraph holds:
 * decode pads a step to a small fixed tile of rows (4, 8 or 16: `DECODE_TILES`) with dummy
   rows; a row's GEMM result is the same in every tile of the ladder and at every position
