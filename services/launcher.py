@@ -45,6 +45,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class PortAllocator:
+    """Free loopback ports for one launch, never the same one twice: `free_port` only asks
+    the OS for a port nobody holds right now, and the ports of one launch are bound later,
+    by different processes, so two of them (or one and the gateway's) could otherwise
+    coincide (seen once: decode's HTTP port taken by another process of the same `up`)."""
+
+    def __init__(self, taken: set[int] | None = None, pick=None) -> None:
+        self.taken = set(taken or ())
+        self._pick = pick or free_port
+
+    def __call__(self) -> int:
+        for _ in range(1000):
+            port = self._pick()
+            if port not in self.taken:
+                self.taken.add(port)
+                return port
+        raise StartupError("up", "ports", "no free loopback port distinct from the others")
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -100,14 +119,18 @@ class Launcher:
         self.run_dir: Path | None = None  # embedded NATS only: credentials of this run
         self.identities: dict[str, natsauth.Identity] = {}  # by spec name (+ "tools")
         self._stopping = False
+        self._fresh_port = PortAllocator()
 
     async def start(self) -> None:
         if port_in_use("127.0.0.1", self.gateway_port):
             raise StartupError("up", f"gateway port {self.gateway_port}", "already in use")
         ports: dict[tuple[str, int], int] = {}
+        self._fresh_port = PortAllocator({self.gateway_port})
 
         def port_for(role: str, i: int) -> int:
-            return ports.setdefault((role, i), free_port())
+            if (role, i) not in ports:
+                ports[(role, i)] = self._fresh_port()
+            return ports[(role, i)]
 
         self.specs = mesh_services(prefill=self.prefill, decode=self.decode,
                                    port_for=port_for, gateway_port=self.gateway_port,
@@ -138,7 +161,7 @@ class Launcher:
         conf = self.run_dir / "nats.conf"
         conf.write_text(natsauth.server_config(by_user.values()))
         conf.chmod(0o600)
-        port, monitor = free_port(), free_port()
+        port, monitor = self._fresh_port(), self._fresh_port()
         self.nats = await self._spawn("nats", [
             nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port),
             "-m", str(monitor)], os.environ.copy())
