@@ -216,7 +216,7 @@ class SegmentsKV(Protocol):
     def decode_targets(self) -> np.ndarray:
         """Byte addresses [layers, 2 (K, V), rows] int64 of each decode row's K and V slot
         (rows 0..n-1, one per segment, in order), each checked to lie in the segment's own
-        storage: where the native K/V append (`native.rope_kv`) writes."""
+        storage: where the native K/V append (kernels/decode_pointwise.c) writes."""
 
 
 class PerSegmentKV:

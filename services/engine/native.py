@@ -300,7 +300,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 class KVAppend:
     """RoPE of a decode step's q and k, and the append of its k and v
-    (kernels/decode_pointwise.c), one call per layer. `targets` [layers, 2, m] int64: the
+    (kernels/decode_pointwise.c), one layer per call: the kernel alone, as the tests run it
+    (a decode step runs it inside `DecodeLayers`). `targets` [layers, 2, m] int64: the
     byte addresses of each row's K and V slot in every layer, which the caller computed
     from the request's own checked pages (`SegmentsKV.decode_targets`); its address is
     taken once here."""
@@ -346,7 +347,8 @@ class KVAppend:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a decode step's rows, gate_up [m, 2 * ffn] (the fused gate/up
     matmul's output; fp32 CPU, contiguous, ffn a multiple of 16): [m, ffn]. Each value
-    from its own row only (kernels/decode_pointwise.c)."""
+    from its own row only (kernels/decode_pointwise.c). The kernel alone, as the tests run
+    it; a decode step runs it inside `DecodeLayers`."""
     lib = _loaded()
     m, width = gate_up.shape if gate_up.dim() == 2 else (-1, -1)
     ffn = width // 2

@@ -169,7 +169,7 @@ class PagedSegmentsKV:
 
     def decode_targets(self) -> np.ndarray:
         """Byte addresses of every row's K and V slot, [layers, 2, rows] int64 (rows in
-        forward order), for the native K/V append (`native.rope_kv`). The slots come
+        forward order), for the native K/V append (kernels/decode_pointwise.c). The slots come
         from the leases' own pages; each is checked to lie inside the pool."""
         if not self._rows_in_order:
             raise ValueError("the native K/V append takes a decode step's rows in order")
