@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("kernels") / name
                 for name in ("decode_attention.c", "decode_linear.c", "decode_pointwise.c",
                              "decode_layers.c"))
+HEADERS = (Path(__file__).with_name("kernels") / "vec_exp.h",)  # hashed with the sources
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno", "-shared",
          "-fPIC", "-fopenmp")
 SETTING = "PDMESH_NATIVE_KERNELS"
@@ -77,7 +78,7 @@ def _build() -> Path:
                                 " on this machine")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join((*texts, compiler, version, " ".join(FLAGS),
                                     platform.machine(), _cpu_flags())).encode()).hexdigest()
     target = _cache_dir() / f"decode_kernels-{key[:20]}.so"

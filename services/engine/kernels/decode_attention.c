@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_exp.h"
+
 #define LANES 16
 
 typedef struct {
@@ -110,29 +112,8 @@ static inline void put8(float *dst, v8 dots, int whole, int64_t m) {
         for (int64_t j = 0; j < m; j++) dst[j] = dots[j];
 }
 
-static inline v8 vmax(v8 a, v8 b) {
-    const v8i take_a = a > b;
-    return (v8)(((v8i)a & take_a) | ((v8i)b & ~take_a));
-}
-
-/* exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial after reducing by
- * ln 2, eight lanes at a time, no library call. */
-static inline v8 exp8(v8 x) {
-    const v8 lo = (v8){0} - 87.0f;
-    x = vmax(x, lo);
-    const v8i ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
-    const v8 k = __builtin_convertvector(ki, v8);
-    v8 r = x - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    v8 p = (v8){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v8)((ki + 127) << 23);
-}
+/* vmax and exp8: exp(x) for x <= 0 (scores minus their max), eight lanes at a time */
+PD_VEC_EXP(v8, v8i, vmax, exp8)
 
 /* One request, every KV head: the body is inlined with constant (group, chunks) for the
  * common head shapes so that a head's queries and accumulators live in registers (the

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_exp.h"
+
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int v16i __attribute__((vector_size(64)));
 
@@ -62,28 +64,8 @@ int pd_decode_rope_kv(const float *qkv, int64_t m, int64_t heads, int64_t kv_hea
     return 0;
 }
 
-static inline v16 vmax16(v16 a, v16 b) {
-    const v16i take_a = a > b;
-    return (v16)(((v16i)a & take_a) | ((v16i)b & ~take_a));
-}
-
-/* exp(x) for x <= 0: Cephes' expf polynomial after reducing by ln 2 (as in
- * decode_attention.c), 16 lanes at a time, no library call. */
-static inline v16 exp16(v16 x) {
-    x = vmax16(x, (v16){0} - 87.0f);
-    const v16i ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i);
-    const v16 k = __builtin_convertvector(ki, v16);
-    v16 r = x - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    v16 p = (v16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v16)((ki + 127) << 23);
-}
+/* vmax16 and exp16: exp(x) for x <= 0, 16 lanes at a time */
+PD_VEC_EXP(v16, v16i, vmax16, exp16)
 
 /* out[r][i] = silu(g) * u = g / (1 + exp(-g)) * u, with g = gate_up[r][i] and u =
  * gate_up[r][ffn + i] (the fused gate/up matmul's output [m][2 * ffn]); out [m][ffn].
