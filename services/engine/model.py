@@ -418,12 +418,20 @@ class LlamaModel:
         """Whether decode matmuls run in the native kernel (`native.linear`,
         kernels/decode_linear.c: each output in one fixed order, so no padding rows): on
         CPU in fp32 where the native kernels built, for a model whose every decode weight
-        shape the kernel takes. Otherwise they follow `decode_plan` in torch."""
+        shape the kernel takes and whose layers the one-call step takes (`DecodeLayers`:
+        the decision and the path it leads to agree). Otherwise they follow `decode_plan`
+        in torch."""
         if not native.usable(self.device, self.dtype):
             return False
         if self._native_shapes is None:
-            self._native_shapes = all(native.linear_takes(tuple(t.shape))
-                                      for ts in self._role_weights().values() for t in ts)
+            ok = all(native.linear_takes(tuple(t.shape))
+                     for ts in self._role_weights().values() for t in ts)
+            if ok:
+                try:
+                    self._native_layers()
+                except ValueError:
+                    ok = False
+            self._native_shapes = ok
         return self._native_shapes
 
     def _native_layers(self) -> native.DecodeLayers:

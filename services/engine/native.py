@@ -234,17 +234,18 @@ class DecodeAttention:
         ids = buffer[5 * n + 1:]
         if n:
             np.concatenate(pages, out=ids, casting="same_kind")
-        if isinstance(page_counts, int):  # one storage
+        if isinstance(page_counts, int):  # one storage: two reductions (every decode step)
+            outside = None
             bad = ids.size and (ids.min() < 0 or ids.max() >= page_counts)
-            counts = np.full(n, page_counts, dtype=np.int64)
         else:
-            counts = np.asarray(page_counts, dtype=np.int64)
-            bad = ((ids < 0) | (ids >= np.repeat(counts, sizes))).any()
-        if bad:
-            flags = (ids < 0) | (ids >= np.repeat(counts, sizes))
-            i = int(np.searchsorted(starts[1:], int(np.argmax(flags)), side="right"))
-            raise ValueError(f"segment {i}: page ids outside its storage of {counts[i]} "
-                             "pages")
+            outside = (ids < 0) | (ids >= np.repeat(np.asarray(page_counts, np.int64), sizes))
+            bad = outside.any()
+        if bad:  # which segment, for the message
+            if outside is None:
+                outside = (ids < 0) | (ids >= page_counts)
+            i = int(np.searchsorted(starts[1:], int(np.argmax(outside)), side="right"))
+            count = page_counts if isinstance(page_counts, int) else page_counts[i]
+            raise ValueError(f"segment {i}: page ids outside its storage of {count} pages")
         self._buffer = buffer
         self.pages, self.lengths = ids, buffer[3 * n:4 * n]
         self._fn = _library().pd_decode_attention  # type: ignore[union-attr]

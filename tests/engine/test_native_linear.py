@@ -112,3 +112,23 @@ def test_rms_norm_refuses_what_it_cannot_serve() -> None:
         native.rms_norm(torch.randn(2, 32), torch.randn(32), 1e-5, torch.randn(3, 32))
     with pytest.raises(ValueError, match="contiguous"):
         native.rms_norm(torch.randn(32, 2).t(), torch.randn(32), 1e-5)
+
+
+def test_a_model_the_one_call_step_refuses_decodes_its_matmuls_in_torch() -> None:
+    """Every matmul shape suits the native kernel, but head_dim 12 is not a multiple of 8,
+    which the one-call step (`native.DecodeLayers`) refuses: decode must not choose the
+    native path and then fail on it."""
+    import dataclasses
+
+    from pdmesh.services.engine.tiny import TINY_CONFIG, tiny_weights
+
+    config = dataclasses.replace(TINY_CONFIG, dim=64, n_heads=4, n_kv_heads=2, head_dim=12,
+                                 ffn_dim=128, n_layers=2)
+    weights = tiny_weights(config)
+    assert all(native.linear_takes(tuple(t.shape)) for layer in weights.layers
+               for t in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_down))
+    model = LlamaModel(config, weights)
+    with pytest.raises(ValueError, match="head_dim 12"):
+        native.DecodeLayers(model.weights.layers, model.weights.norm, 4, 2, 12, 1e-5)
+    assert not model.native_linear()
+    assert model.decode_tiles != NATIVE_TILES
