@@ -43,7 +43,10 @@ pytestmark = [pytest.mark.slow]
 KEYS = ("sk-dev-alice", "sk-dev-bob", "sk-dev-carol")  # three tenants
 DECODE_H3 = ["decode-0", "decode-1"]
 DECODE_H4 = ["decode-2"]
-STREAM_TOKENS = 1200  # scenario 3's streams: several seconds of decoding each
+# Scenario 3's streams: long enough to outlast opening them and the cut on a fast engine
+# (1,200 once ran out before the cut in CI after session 8's faster decode; a lone tiny
+# stream decodes ~250 tokens/s here). Four of them must fit one decode worker's KV_TOKENS.
+STREAM_TOKENS = 2500
 
 
 def _serves(lab: Lab, prompt: str = "after the storm", max_tokens: int = 6,
@@ -234,6 +237,10 @@ def test_decode_host_cut_off_mid_stream(mesh: Lab) -> None:
     assert on_h3 and on_h4, {w: len(s) for w, s in streams.items()}
     for s in on_h3 + on_h4:
         s.read_tokens(2)  # mid-stream: decode is generating
+    # Each decode worker still holds a lease per stream: none ran out before the cut.
+    held = {r.worker_id: r.live_leases for r in mesh.query(DECODE_H3 + DECODE_H4)}
+    short = {w: (held[w], len(streams[w])) for w in streams if held[w] < len(streams[w])}
+    assert not short, f"streams ended before the cut (STREAM_TOKENS too short here): {short}"
 
     mesh.switch.cut("decode")
     cut_at = time.monotonic()
