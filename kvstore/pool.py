@@ -76,6 +76,7 @@ class KVPool:
         # Per lease: at index i the cached page id it pinned there, else NOT_SHARED. The
         # pool's own copy: a lease object naming other page ids gains nothing.
         self._shared: dict[str, np.ndarray] = {}
+        self._sharing: set[str] = set()  # live leases holding a shared (cached) page
         # Called with a number of pages when an allocation finds too few free; returns how
         # many it freed (the prefix cache evicts its LRU unpinned pages). Never frees pins.
         self.reclaimer: Callable[[int], int] | None = None
@@ -201,6 +202,8 @@ class KVPool:
             self._page_owner[page_id] = lease.lease_id
         self._leases[lease.lease_id] = lease
         self._shared[lease.lease_id] = marks
+        if shared:
+            self._sharing.add(lease.lease_id)
         self._prefix_written[lease.lease_id] = lease.cached_tokens
         self.stats.allocations += 1
         return lease
@@ -213,6 +216,7 @@ class KVPool:
         del self._leases[lease.lease_id]
         del self._prefix_written[lease.lease_id]
         marks = self._shared.pop(lease.lease_id)
+        self._sharing.discard(lease.lease_id)
         lease._live = False
         lease.release_cause = cause
         owned = []
@@ -236,6 +240,7 @@ class KVPool:
         del self._leases[lease.lease_id]
         del self._prefix_written[lease.lease_id]
         marks = self._shared.pop(lease.lease_id)
+        self._sharing.discard(lease.lease_id)
         lease._live = False
         lease.release_cause = f"quarantined: {cause}"
         for page_id, mark in zip(lease.page_ids, marks.tolist(), strict=True):
@@ -282,6 +287,7 @@ class KVPool:
         self._cached[page_id] = True
         self._page_refs[page_id] = 1
         self._shared[lease.lease_id][page_index] = page_id
+        self._sharing.add(lease.lease_id)
         lease.page_shared[page_index] = True
         self.stats.pages_cached += 1
         return page_id
@@ -347,12 +353,19 @@ class KVPool:
         for numpy's compare-and-all: it runs for every request of every decode step)."""
         if epochs.dtype != np.int64:
             return bool((epochs == lease.epoch).all())
+        return epochs.tobytes() == KVPool._epoch_pattern(lease, len(epochs))[:epochs.nbytes]
+
+    @staticmethod
+    def _epoch_pattern(lease: Lease, count: int = 0) -> bytes:
+        """The lease's epoch repeated for each of its pages (at least `count`), as int64
+        bytes: what the pool's epochs of its own pages must read. Cached on the lease and
+        rebuilt whenever the lease's epoch is not the one it was built for."""
         cached = lease._epoch_bytes
-        if cached is None or cached[0] != lease.epoch or len(cached[1]) < epochs.nbytes:
-            count = max(lease.num_pages, len(epochs))
+        if cached is None or cached[0] != lease.epoch or len(cached[1]) < 8 * count:
+            count = max(lease.num_pages, count)
             cached = (lease.epoch, np.full(count, lease.epoch, dtype=np.int64).tobytes())
             lease._epoch_bytes = cached
-        return epochs.tobytes() == cached[1][:epochs.nbytes]
+        return cached[1]
 
     def check_readable(self, lease: Lease, num_tokens: int) -> None:
         """Raise LeaseAccessError unless `lease` may read its first `num_tokens` tokens:
@@ -398,6 +411,72 @@ class KVPool:
         pages = lease.page_array[first:last]
         if pages.size and not (self._page_epoch[pages] == lease.epoch).all():
             self._check_pages(lease, first, last, shared_ok=False)
+
+    def check_decode_batch(self, leases: Sequence[Lease], positions: Sequence[int]) -> None:
+        """A decode step's checks for all its requests at once: each lease may append one
+        token at `position`, which must be its written length, and read the `position`
+        tokens before it (check_writable + check_readable + the append rule, per lease).
+        Raises the LeaseAccessError the first failing lease's own checks raise.
+
+        Fast path: every lease is live, of this pool, appends at its written length inside
+        its capacity, and its pages [0, position // page_tokens] carry its epoch. The
+        epochs of all those pages, all leases together, are gathered in one index and
+        compared as bytes with each lease's epoch repeated (one numpy call for the batch
+        instead of two per lease). Anything else (a lease holding shared prefix pages, or
+        any failure) takes the per-lease checks, which name the reason."""
+        pool_id, written, size = self.pool_id, self._prefix_written, self.spec.page_tokens
+        sharing = self._sharing
+        indices, expected, slow = [], [], []
+        for lease, position in zip(leases, positions, strict=True):
+            if (lease.pool_id == pool_id and lease._live and lease.page_tokens == size
+                    and written.get(lease.lease_id, -1) == position
+                    and 0 <= position < len(lease.page_ids) * size
+                    and lease.lease_id not in sharing):
+                count = position // size + 1
+                cached = lease._epoch_bytes
+                if cached is None or cached[0] != lease.epoch:
+                    cached = (lease.epoch, self._epoch_pattern(lease))
+                indices.append(lease.page_array[:count])
+                expected.append(cached[1][:8 * count])
+            else:
+                slow.append((lease, position))
+        if len(indices) == 1:
+            batch_failed = self._page_epoch[indices[0]].tobytes() != expected[0]
+        else:
+            batch_failed = bool(indices) and (
+                self._page_epoch[np.concatenate(indices)].tobytes() != b"".join(expected))
+        if batch_failed:
+            slow = list(zip(leases, positions, strict=True))  # find and name the culprit
+        for lease, position in slow:
+            self.check_writable(lease, position, 1)
+            if position != self.written_prefix(lease):
+                raise self._deny(lease, None, f"append at position {position} but the lease "
+                                 f"has {self.written_prefix(lease)} tokens written")
+            self.check_readable(lease, position)
+        if batch_failed:
+            # Every lease's own checks passed where the batched compare failed: the pool
+            # changed underneath. Refuse rather than guess.
+            raise self._deny(leases[0], None, "decode batch epoch check failed")
+
+    def mark_decode_batch(self, leases: Sequence[Lease], positions: Sequence[int]) -> None:
+        """After a decode step: each lease wrote one token at `position`. The same as
+        `mark_written(lease, position // page_tokens, position % page_tokens + 1)` per
+        lease, with its checks (live lease of this pool, the page carries its epoch); the
+        common case (appending at the written length, inside the page) is done inline."""
+        pool_id, size, epochs = self.pool_id, self.spec.page_tokens, self._page_epoch
+        written, page_written = self._prefix_written, self._page_written
+        for lease, position in zip(leases, positions, strict=True):
+            page_index, offset = divmod(position, size)
+            if (lease.pool_id == pool_id and lease._live and lease.page_tokens == size
+                    and written.get(lease.lease_id) == position
+                    and 0 <= page_index < len(lease.page_ids) and offset + 1 < size):
+                page_id = lease.page_ids[page_index]
+                if epochs[page_id] == lease.epoch and page_written[page_id] == offset:
+                    page_written[page_id] = offset + 1
+                    lease.page_written[page_index] = offset + 1
+                    written[lease.lease_id] = position + 1
+                    continue
+            self.mark_written(lease, page_index, offset + 1)
 
     def mark_written(self, lease: Lease, page_index: int, num_tokens: int) -> None:
         """Record that page `page_index` of `lease` now holds `num_tokens` valid tokens

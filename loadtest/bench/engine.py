@@ -15,7 +15,9 @@ attention included: `dense_prefill_attention_ms`) and `prefill_vs_matmuls` (page
 `dense_prefill_ms`: no attention on that side, so it cannot go below (matmuls + attention)
 / matmuls, ~1.8 for smollm2 at 4k tokens) (and their `_4k` twins when the prompt is ~4k
 tokens), `paged_vs_contiguous_b1` / `_b16`,
-`lease_check_pct_of_step_b16`, and `native_decode_attention` / `native_decode_linear`
+`lease_check_pct_of_step_b16` (the step's read/write/append checks of its 16 leases,
+`KVPool.check_decode_batch`, over the step), and `native_decode_attention` /
+`native_decode_linear`
 (whether decode attention / the decode matmuls ran in the native kernels,
 services/engine/native.py).
 Figures are medians of interleaved runs (paged and contiguous decode alternate which runs
@@ -150,10 +152,10 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
                f"contiguous_step_s_b{batch}": float(_Clock.reduce(contiguous)),
                f"dense_forward_s_b{batch}": float(_Clock.reduce(dense))}
     if batch == 16:
-        def check_all() -> None:
-            for lease in leases:
-                pool.check_writable(lease, position[0], 1)
-                pool.check_readable(lease, position[0])
+        positions = [position[0]] * batch
+
+        def check_all() -> None:  # what a step checks: check_decode_batch (session 9)
+            pool.check_decode_batch(leases, positions)
 
         results["check_s_b16"] = _median(check_all, 50)
     for lease in leases:

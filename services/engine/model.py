@@ -19,8 +19,9 @@ construction:
   from the shape and thread count, never from the values), so it is not assumed:
   `tiles_agree` checks it for every decode matmul shape of the model when the model is
   built and whenever the thread count changes, and where it fails decode pads every step
-  to DECODE_TILE rows as before. On this machine's MKL, M=1..3 take GEMV-like kernels
-  whose bits differ (so a lone request cannot run as a 1-row GEMV) while 4, 8 and 16 agree.
+  to DECODE_TILE rows as before. On the AVX-512 machines' MKL, M=1..3 take GEMV-like
+  kernels whose bits differ (so a lone request cannot run as a 1-row GEMV) while 4, 8 and
+  16 agree; on an AMX machine only 16 does (see `tiles_agree`).
   (Until issue 17 every step was padded to 16 rows, which made a batch-1 step pay for 16;
   see services/engine/README.md.) Row-wise reductions (RMSNorm) reduce one row of `dim`
   floats, far below ATen's parallel grain, so they do not split with the row count;
@@ -334,8 +335,9 @@ def tiles_agree(shapes: list[tuple[int, int]], tiles: tuple[int, ...], device: t
     """Whether, for every weight shape [out, in], each row of an M-row GEMM (M in `tiles`)
     equals bit for bit the same row of a DECODE_TILE-row GEMM, wherever it sits in either.
     BLAS picks its kernel (and its reduction order) from the shape and thread count, never
-    from the values, so random data decides it. On this machine's MKL: true for (4, 8, 16)
-    at 1 and 2 threads, false for M=1..3 (GEMV-like kernels)."""
+    from the values, so random data decides it. MKL on the AVX-512 machines of sessions
+    1-8: true for (4, 8, 16) at 1 and 2 threads, false for M=1..3 (GEMV-like kernels); on
+    an AMX (Sapphire Rapids class) machine only M=16 agrees, and torch decode pads to 16."""
     gen = torch.Generator().manual_seed(0)
     for out_features, in_features in shapes:
         weight = torch.randn(out_features, in_features, generator=gen).to(device, dtype)

@@ -294,9 +294,8 @@ class Engine:
             seen.add(slot.lease.lease_id)
             if slot.position >= self.config.max_context:
                 raise ValueError(f"position {slot.position} >= max_context")
-            self._check_append(slot.lease, slot.position)
-            self.pool.check_writable(slot.lease, slot.position, 1)
-            self.pool.check_readable(slot.lease, slot.position)
+        leases, positions = [s.lease for s in batch], [s.position for s in batch]
+        self.pool.check_decode_batch(leases, positions)
         outputs = []
         for first in range(0, len(batch), DECODE_TILE):
             tile = batch[first:first + DECODE_TILE]
@@ -305,9 +304,7 @@ class Engine:
                 [s.token_id for s in tile],
                 [s.position for s in tile],
             ))
-        for slot in batch:
-            page_index, offset = slot.lease.locate(slot.position)
-            self.pool.mark_written(slot.lease, page_index, offset + 1)
+        self.pool.mark_decode_batch(leases, positions)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _check_append(self, lease: Lease, position: int) -> None:

@@ -134,15 +134,21 @@ def test_the_setting_and_a_missing_compiler_are_clear(monkeypatch) -> None:
 
 def test_the_decode_matmul_plan_is_checked_on_this_machine(tiny) -> None:
     """Decode runs qkv, o and lm_head in the columns orientation only because, here, its
-    4..8-row GEMMs agree bit for bit; the check can fail (1-3 rows and 12 rows take other
-    kernels), and the 16-row columns GEMM equals the rows one."""
+    4..8-row GEMMs agree bit for bit; the check can fail (1-3 rows take other kernels),
+    and the 16-row columns GEMM equals the rows one. The row tiles depend on the CPU's
+    MKL kernels: (4, 8, 16) on the AVX-512 machines of sessions 1-8 (where 12-row columns
+    GEMMs also disagree), only 16 on an AMX (Sapphire Rapids class) machine."""
     shapes = [(768, 256), (256, 768), (258, 256)]
     cpu = torch.device("cpu")
     assert columns_agree(shapes, (4, 8), cpu, torch.float32)
     assert not columns_agree(shapes, (1,), cpu, torch.float32)
-    assert not columns_agree(shapes, (4, 12), cpu, torch.float32)
+    assert not tiles_agree(shapes, (1,), cpu, torch.float32)
     assert wide_agrees(shapes, cpu, torch.float32)
-    assert tiles_agree(shapes, (4, 8, 16), cpu, torch.float32)
     plan = LlamaModel(tiny.config, tiny.weights).decode_plan
-    assert plan.tiles == (4, 8, 16) and plan.wide_columns
+    if tiles_agree(shapes, (4, 8, 16), cpu, torch.float32):
+        assert not columns_agree(shapes, (4, 12), cpu, torch.float32)
+        assert plan.tiles == (4, 8, 16)
+    else:
+        assert plan.tiles == (16,)
+    assert plan.wide_columns
     assert plan.column_roles == {"qkv", "o", "lm_head"}

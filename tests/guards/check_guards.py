@@ -149,6 +149,34 @@ MUTATIONS = [
              "                    and num_tokens <= self._prefix_written.get(lease.lease_id, 0)):",
              "                    and True):",
              ("tests/kvstore",)),
+    # A decode step checks all its requests at once (check_decode_batch): one gather of
+    # every page's epoch, compared with each lease's epoch repeated.
+    Mutation("decode-batch-epochs", "a decode step's batched check passes only leases whose "
+             "every page read or written carries their epoch (I2)",
+             "kvstore/pool.py",
+             "            batch_failed = self._page_epoch[indices[0]].tobytes() != expected[0]",
+             "            batch_failed = False",
+             ("tests/kvstore/test_decode_batch_checks.py",),
+             more=(("kvstore/pool.py",
+                    "                self._page_epoch[np.concatenate(indices)].tobytes() "
+                    "!= b\"\".join(expected))",
+                    "                False)"),)),
+    Mutation("decode-batch-written", "a decode step appends only at a lease's written "
+             "length, so it reads only tokens written in this epoch (I2, the incident)",
+             "kvstore/pool.py",
+             "                    and written.get(lease.lease_id, -1) == position\n", "",
+             ("tests/kvstore/test_decode_batch_checks.py",)),
+    Mutation("decode-batch-capacity", "a decode step writes only inside the lease's pages",
+             "kvstore/pool.py",
+             "                    and 0 <= position < len(lease.page_ids) * size\n", "",
+             ("tests/kvstore/test_decode_batch_checks.py",)),
+    Mutation("decode-mark-epoch", "marking a decode step's token written checks that its "
+             "page carries the lease's epoch (I2)",
+             "kvstore/pool.py",
+             "                if epochs[page_id] == lease.epoch "
+             "and page_written[page_id] == offset:",
+             "                if page_written[page_id] == offset:",
+             ("tests/kvstore/test_decode_batch_checks.py",)),
     Mutation("lease-write-check", "pool write check of a decode step's one token: the page "
              "carries the lease's epoch (I2)",
              "kvstore/pool.py",
