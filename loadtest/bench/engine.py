@@ -20,10 +20,11 @@ tokens), `paged_vs_contiguous_b1` / `_b16`,
 `native_decode_linear`
 (whether decode attention / the decode matmuls ran in the native kernels,
 services/engine/native.py).
-Figures are medians of interleaved runs (paged and contiguous decode alternate which runs
-first after the dense forward; with --cpu-time: the best process CPU time, for
+Figures are medians of interleaved runs (prefill and its two dense forwards in turns,
+`--prefill-repeat` times; paged and contiguous decode alternate which runs first after the
+dense forward; with --cpu-time: the best process CPU time, for
 a loaded machine; use it with --threads 1); `load_avg_1m_start` / `_end` say how busy the
-machine was. Bounded: ~20 s with `tiny`, ~2 min with `smollm2` on 2 cores.
+machine was. Bounded: ~25 s with `tiny`, ~3 min with `smollm2` on 2 cores.
 With --json the last stdout line is one JSON object.
 """
 
@@ -65,6 +66,20 @@ def _median(fn, repeat: int) -> float:
         fn()
         times.append(_Clock.read() - started)
     return float(_Clock.reduce(times))
+
+
+def _interleaved(fns, repeat: int) -> list[float]:
+    """`_median` of each of `fns`, run in turns (one warm-up each first), so that a slow
+    or fast phase of a shared machine falls on all of them alike."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, times, strict=True):
+            started = _Clock.read()
+            fn()
+            out.append(_Clock.read() - started)
+    return [float(_Clock.reduce(t)) for t in times]
 
 
 @torch.inference_mode()
@@ -139,7 +154,11 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
         reference.decode(caches, [1] * batch, [cposition[0]] * batch)
         cposition[0] += 1
 
-    paged, contiguous, dense = [], [], []
+    paged, contiguous, dense, checks = [], [], [], []
+
+    def check_all() -> None:  # what a step checks: check_decode_batch (session 9)
+        pool.check_decode_batch(leases, [position[0]] * batch)
+
     for i in range(steps // 2):
         # Paged and contiguous take turns at running first after the dense forward: that
         # one pays for the caches the dense forward took (3-8 % of a tiny batch-1 step,
@@ -148,16 +167,16 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
         for fn, out in ((paged_step, paged), (contiguous_step, contiguous))[::1 - 2 * (i % 2)]:
             out.append(_median(fn, 1))
         dense.append(_median(lambda: dense_forward(engine.config, dense_weights, dense_ids), 1))
+        if batch == 16:  # in the steps' own window: a machine's slow phase hits both
+            for _ in range(5):
+                started = _Clock.read()
+                check_all()
+                checks.append(_Clock.read() - started)
     results = {f"decode_step_s_b{batch}": float(_Clock.reduce(paged)),
                f"contiguous_step_s_b{batch}": float(_Clock.reduce(contiguous)),
                f"dense_forward_s_b{batch}": float(_Clock.reduce(dense))}
     if batch == 16:
-        positions = [position[0]] * batch
-
-        def check_all() -> None:  # what a step checks: check_decode_batch (session 9)
-            pool.check_decode_batch(leases, positions)
-
-        results["check_s_b16"] = _median(check_all, 50)
+        results["check_s_b16"] = float(_Clock.reduce(checks))
     for lease in leases:
         pool.release(lease, "bench")
     return results
@@ -177,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-len", type=int, default=512, help="tokens per decode request")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-    parser.add_argument("--prefill-repeat", type=int, default=1,
-                        help="timed prefill (and dense prefill) runs after the warm-up")
+    parser.add_argument("--prefill-repeat", type=int, default=3,
+                        help="timed prefill (and dense prefill) runs after the warm-up, "
+                             "in turns; the median is reported")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (0: torch's default)")
     parser.add_argument("--cpu-time", action="store_true",
@@ -212,11 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.prefill(lease, prompt)
         pool.release(lease, "bench")
 
-    prefill_s = _median(prefill_once, args.prefill_repeat)
-    dense_prefill_s = _median(lambda: dense_forward(model.config, dense_weights, prompt_ids),
-                              args.prefill_repeat)
-    dense_attention_s = _median(
-        lambda: dense_forward(model.config, dense_weights, prompt_ids, attention=True),
+    prefill_s, dense_prefill_s, dense_attention_s = _interleaved(
+        (prefill_once, lambda: dense_forward(model.config, dense_weights, prompt_ids),
+         lambda: dense_forward(model.config, dense_weights, prompt_ids, attention=True)),
         args.prefill_repeat)
     stream_s = _median(lambda: weights_stream(dense_weights), 3)
 
