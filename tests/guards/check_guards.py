@@ -134,7 +134,8 @@ MUTATIONS = [
     Mutation("lease-read-check-fast", "the pool's one-comparison epoch check says yes only "
              "when every page carries the lease's epoch (I2)",
              "kvstore/pool.py",
-             "        return epochs.tobytes() == cached[1][:epochs.nbytes]",
+             "        return epochs.tobytes() == KVPool._epoch_pattern(lease, len(epochs))"
+             "[:epochs.nbytes]",
              "        return True",
              ("tests/kvstore",)),
     Mutation("lease-read-check-inline", "the read check's fast path passes only a lease "
