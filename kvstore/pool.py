@@ -433,11 +433,11 @@ class KVPool:
                     and 0 <= position < len(lease.page_ids) * size
                     and lease.lease_id not in sharing):
                 count = position // size + 1
-                cached = lease._epoch_bytes
-                if cached is None or cached[0] != lease.epoch:
-                    cached = (lease.epoch, self._epoch_pattern(lease))
+                cached = lease._epoch_bytes  # _epoch_pattern's cache, read inline (hot)
+                pattern = (cached[1] if cached is not None and cached[0] == lease.epoch
+                           else self._epoch_pattern(lease))
                 indices.append(lease.page_array[:count])
-                expected.append(cached[1][:8 * count])
+                expected.append(pattern[:8 * count])
             else:
                 slow.append((lease, position))
         if len(indices) == 1:

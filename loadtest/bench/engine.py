@@ -59,13 +59,7 @@ class _Clock:
 
 def _median(fn, repeat: int) -> float:
     """Median (--cpu-time: best) seconds of `fn()` over `repeat` runs (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        started = _Clock.read()
-        fn()
-        times.append(_Clock.read() - started)
-    return float(_Clock.reduce(times))
+    return _interleaved((fn,), repeat)[0]
 
 
 def _interleaved(fns, repeat: int) -> list[float]:
