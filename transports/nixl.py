@@ -116,13 +116,15 @@ _NEVER_FREED: list = []  # staging regions of closed transports that were never 
 
 @contextlib.contextmanager
 def without_ucxx_env():
-    """Hide the UCX settings ucxx's import injected into the environment (when the ucx
-    transport was loaded in this process: `ucx.UCXX_ENV`) while NIXL creates its UCX
-    context, so NIXL runs on UCX's own defaults or the operator's settings. Measured:
-    ucxx's UCX_RNDV_THRESH=8192 turns a NIXL WRITE between processes from zero-copy CMA
-    (~10 GB/s) into software emulation over tcp/lo (~1 GB/s)."""
-    ucx_module = sys.modules.get(f"{__package__}.ucx")
-    injected = dict(getattr(ucx_module, "UCXX_ENV", {}))
+    """Hide the UCX settings ucxx's import injected into the environment (when ucxx was
+    loaded in this process, by the ucx transport or by anything else: `ucx.UCXX_ENV`)
+    while NIXL creates its UCX context, so NIXL runs on UCX's own defaults or the
+    operator's settings. Measured: ucxx's UCX_RNDV_THRESH=8192 turns a NIXL WRITE between
+    processes from zero-copy CMA (~10 GB/s) into software emulation over tcp/lo (~1 GB/s)."""
+    injected: dict[str, str] = {}
+    if "ucxx" in sys.modules:  # (else nothing was injected: leave ucxx unloaded)
+        from . import ucx as ucx_module
+        injected = dict(ucx_module.UCXX_ENV)
     hidden = {k: os.environ.pop(k) for k, v in injected.items() if os.environ.get(k) == v}
     try:
         yield

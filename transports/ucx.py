@@ -42,6 +42,7 @@ import ctypes
 import functools
 import os
 import struct
+import sys
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -120,7 +121,16 @@ UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
 for _key, _value in UCX_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
 
+# What ucxx's import writes into the environment for each of these keys that is unset
+# (ucxx/__init__.py: GPU-oriented defaults; UCX_CUDA_COPY_MAX_REG_RATIO only with a GPU,
+# UCX_PROTO_ENABLE only for UCX < 1.18). Used when ucxx was imported before this module, so
+# that what it added cannot be told from the diff below.
+UCXX_DEFAULTS = {"UCX_MEMTYPE_CACHE": "n", "UCX_RNDV_THRESH": "8192",
+                 "UCX_RNDV_FRAG_MEM_TYPE": "cuda", "UCX_MAX_RNDV_RAILS": "1",
+                 "UCX_CUDA_COPY_MAX_REG_RATIO": "1.0", "UCX_PROTO_ENABLE": "n"}
+
 ucx_import_error: Exception | None = None
+_ucxx_preloaded = "ucxx" in sys.modules
 _env_before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
 try:
     import ucxx as ucx
@@ -137,9 +147,16 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 # defaults, e.g. UCX_RNDV_THRESH=8192). Every UCX context created later in the process reads
 # them, NIXL's too: measured here, UCX_RNDV_THRESH=8192 turns NIXL's cross-process WRITE
 # from zero-copy CMA (~10 GB/s) into software emulation over tcp/lo (~1 GB/s). The nixl
-# transport hides them while it creates its agent (`without_ucxx_env`).
-UCXX_ENV = {k: v for k, v in os.environ.items()
-            if k.startswith("UCX_") and _env_before.get(k) != v}
+# transport hides them while it creates its agent (`without_ucxx_env`). When ucxx was
+# imported before this module (by other code of the process), its additions cannot be told
+# from an operator's settings: every key of UCXX_DEFAULTS that holds ucxx's value is taken
+# as ucxx's (measured: otherwise NIXL silently emulated its WRITEs over tcp/lo, a 4 MiB
+# WRITE 1.5-1.75 ms instead of 0.85-0.9 ms over CMA).
+if _ucxx_preloaded:
+    UCXX_ENV = {k: v for k, v in UCXX_DEFAULTS.items() if os.environ.get(k) == v}
+else:
+    UCXX_ENV = {k: v for k, v in os.environ.items()
+                if k.startswith("UCX_") and _env_before.get(k) != v}
 
 
 def stop_notifier() -> None:

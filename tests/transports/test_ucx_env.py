@@ -16,8 +16,13 @@ import pytest
 pytest.importorskip("ucxx")
 
 PROBE = """
-import json, os
-from pdmesh.transports import ucx, nixl
+import json, os, sys
+if os.environ.get("PROBE_UCXX_FIRST"):  # other code of the process loaded ucxx first
+    import ucxx
+if os.environ.get("PROBE_NIXL_ONLY"):
+    from pdmesh.transports import nixl
+else:
+    from pdmesh.transports import ucx, nixl
 seen = {}
 if nixl.nixl_agent is not None:
     real = nixl.nixl_agent
@@ -31,7 +36,8 @@ if nixl.nixl_agent is not None:
         await t.start()
         await t.close()
     asyncio.run(main())
-print(json.dumps({"injected": ucx.UCXX_ENV, "at_nixl": seen,
+ucx = sys.modules.get("pdmesh.transports.ucx")
+print(json.dumps({"injected": getattr(ucx, "UCXX_ENV", None), "at_nixl": seen,
                   "after": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
                   "nixl": nixl.nixl_agent is not None}))
 """
@@ -61,5 +67,30 @@ def test_an_operators_ucx_settings_win() -> None:
     assert "UCX_RNDV_THRESH" not in r["injected"]
     assert r["after"]["UCX_RNDV_THRESH"] == "65536"
     assert r["after"]["UCX_TCP_TX_SEG_SIZE"] == "64k"
+    if r["nixl"]:
+        assert r["at_nixl"]["UCX_RNDV_THRESH"] == "65536"  # never hidden
+
+
+@pytest.mark.parametrize("nixl_only", [False, True], ids=["with-ucx-transport", "nixl-only"])
+def test_ucxx_loaded_first_by_other_code_is_still_hidden_from_nixl(nixl_only: bool) -> None:
+    """ucxx imported before our modules (by other code of the process): its additions
+    cannot be seen as a diff any more, so its known defaults are hidden (before the fix
+    NIXL's context got UCX_RNDV_THRESH=8192: WRITEs emulated over tcp/lo, ~1.8x slower)."""
+    env = {"PROBE_UCXX_FIRST": "1"}
+    if nixl_only:
+        env["PROBE_NIXL_ONLY"] = "1"
+    r = _probe(**env)
+    assert r["after"]["UCX_RNDV_THRESH"] == "8192"  # ucxx keeps its own settings
+    if not nixl_only:
+        assert r["injected"].get("UCX_RNDV_THRESH") == "8192", r["injected"]
+    if not r["nixl"]:
+        pytest.skip("nixl not installed")
+    assert "UCX_RNDV_THRESH" not in r["at_nixl"], r["at_nixl"]
+    assert "UCX_MEMTYPE_CACHE" not in r["at_nixl"], r["at_nixl"]
+
+
+def test_an_operators_ucx_settings_win_when_ucxx_was_loaded_first() -> None:
+    r = _probe(PROBE_UCXX_FIRST="1", UCX_RNDV_THRESH="65536")
+    assert "UCX_RNDV_THRESH" not in r["injected"]
     if r["nixl"]:
         assert r["at_nixl"]["UCX_RNDV_THRESH"] == "65536"  # never hidden
