@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 from prometheus_client import Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdmesh.kvstore import KVPool, ScrubPolicy
 from pdmesh.services import messages as m
@@ -33,6 +34,43 @@ from pdmesh.transports import KVTransport, make_service_transport, stop_ucx_noti
 
 log = logging.getLogger("pdmesh.worker")
 T = TypeVar("T")
+
+
+class DataPlaneCollector:
+    """The data plane's own counters (`transport.stats`), read at each scrape of /metrics:
+    what the receiver refused and why (a forged or corrupted frame is counted here, not
+    only in a log line), the inbound links it ended to stay within its limits, and, for
+    nixl, the staging regions held for senders that never released them. Series in the
+    README's metrics section."""
+
+    def __init__(self, transport: KVTransport) -> None:
+        self.transport = transport
+
+    def collect(self):
+        ts = self.transport.stats
+        rejected = CounterMetricFamily(
+            "pdmesh:data_plane_frames_rejected_total",
+            "Data-plane frames the receiver refused, by reason (none of their bytes was "
+            "kept)", labels=["reason"])
+        for reason, n in sorted(ts.frames_rejected.items(), key=lambda kv: kv[0].name):
+            rejected.add_metric([reason.name.lower()], n)
+        yield rejected
+        for name, doc, value in (
+                ("bytes_drained", "Payload bytes of refused frames read and discarded",
+                 ts.bytes_drained),
+                ("links_refused", "Unbound inbound links ended to stay within the cap",
+                 ts.links_refused),
+                ("links_timed_out", "Unbound inbound links closed: no header in time",
+                 ts.links_timed_out),
+                ("accept_errors", "Listener accept() failures (retried with back-off)",
+                 ts.accept_errors)):
+            yield CounterMetricFamily(f"pdmesh:data_plane_{name}_total", doc, value=value)
+        retired = getattr(self.transport, "staging_retired", None)
+        if retired is not None:
+            yield GaugeMetricFamily(
+                "pdmesh:data_plane_staging_retired",
+                "nixl staging regions whose sender never said its writes ended: held, never "
+                "lent again", value=retired)
 
 
 def make_worker_transport(cfg: ServiceConfig) -> KVTransport:
@@ -87,6 +125,7 @@ class WorkerBase:
                                        ["reason"], registry=r)
         self.kv_bytes = Counter("pdmesh:kv_transfer_bytes_total", "KV bytes moved",
                                 ["direction"], registry=r)
+        r.register(DataPlaneCollector(self.transport))
         # vLLM's meaning: the fraction of the KV pool in use (cached-but-evictable is free).
         self.kv_usage = Gauge("pdmesh:kv_cache_usage_perc", "KV pool in use (0..1)",
                               ["model_name", "worker"], registry=r).labels(

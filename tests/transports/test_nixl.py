@@ -113,6 +113,13 @@ async def test_a_page_larger_than_staging_is_refused_before_any_write():
         assert (dst.array == snapshot).all()
 
 
+def _retired_gauge(transport) -> float:
+    """`pdmesh:data_plane_staging_retired` as a worker's /metrics reads it."""
+    from pdmesh.services.worker import DataPlaneCollector
+    families = {f.name: f for f in DataPlaneCollector(transport).collect()}
+    return families["pdmesh:data_plane_staging_retired"].samples[0].value
+
+
 async def test_a_region_is_lent_again_only_after_its_senders_release():
     async with _nixl(max_staging=1) as (receiver, sender, address):
         src, _, target, plan = make_case(page_bytes=PAGE)
@@ -125,6 +132,7 @@ async def test_a_region_is_lent_again_only_after_its_senders_release():
         sender._idle.clear()
         link.close()
         await _until(lambda: receiver.staging_retired == 1)
+        assert _retired_gauge(receiver) == 1  # what the worker's /metrics shows
         # The one region is not lent to anybody else while that sender may still write.
         src2, _, target2, plan2 = make_case(page_bytes=PAGE, seed=3)
         fut2 = receiver.expect(target2)
@@ -136,6 +144,7 @@ async def test_a_region_is_lent_again_only_after_its_senders_release():
         # Its release notification (every WRITE of it ended) frees the region.
         sender._release(out)
         await _until(lambda: receiver.staging_retired == 0)
+        assert _retired_gauge(receiver) == 0
         await sender.send(address, plan2, src2.views())
         await fut2
 
