@@ -64,6 +64,7 @@ from .base import (
 )
 from .errors import FrameError, LinkIdle, Reason, TransferError
 from .framing import (
+    DEFERRED,
     HEADER_SIZE,
     MAX_PAYLOAD,
     PAUSE,
@@ -93,6 +94,9 @@ class Frame:
     header: bytes
     payload: memoryview | bytes
     key: bytes = b""  # the transfer's MAC key (to re-encode a header: UCX runs, faults)
+    # A DEFERRED frame's source: the transport calls `source.settle(index)` once it handed
+    # the payload over (the page's checksum is then computed while the peer copies it).
+    source: FrameSource | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -134,34 +138,45 @@ class FrameSource:
     frames of pages [start, stop), checksumming each page only as its frame is produced
     (for a streamed send: after the page is final); `commit()` is the COMMIT, once every
     DATA frame was produced. Every header is MACed under the plan's key (the COMMIT's
-    covers every page digest)."""
+    covers every page digest). `defer`: the DATA frames are flagged DEFERRED and carry no
+    checksum; each page is checksummed when the transport calls `settle(i)` after handing
+    it over (else by `commit()`), and the COMMIT's digest covers them."""
 
     def __init__(self, plan: TransferPlan, rbytes: bytes, views: list[memoryview],
-                 ready: PagesReady | None = None) -> None:
+                 ready: PagesReady | None = None, defer: bool = False) -> None:
         self.plan, self.rbytes, self.views = plan, rbytes, views
         self.ready = ready  # a streamed send: its `first_token` (if set) goes in the commit
-        self.sums: list[int] = []
+        self.defer = defer
+        self.sums: list[int | None] = []  # None: a DEFERRED page not checksummed yet
 
     def data(self, start: int, stop: int, pause: bool = False) -> Iterator[Frame]:
         """pause: flag the last frame PAUSE (the pages after it are not final yet)."""
         plan, key = self.plan, self.plan.key
+        deferred = self if self.defer else None
         for i in range(start, stop):
             if i != len(self.sums):
                 raise RuntimeError(f"frame {i} built out of order")
             view = self.views[i]
-            digest = checksum(view)
+            digest = None if self.defer else checksum(view)
             self.sums.append(digest)
+            flags = (PAUSE if pause and i == stop - 1 else 0) | (DEFERRED if self.defer else 0)
             header = encode_header(
                 Kind.DATA, self.rbytes, plan.epoch, seq=i, dest_page_id=plan.dest_page_ids[i],
                 page_index=i, token_count=tokens_in_page(i, plan.num_tokens, plan.page_tokens),
-                payload_len=view.nbytes, payload_checksum=digest,
-                flags=PAUSE if pause and i == stop - 1 else 0, key=key)
-            yield Frame(i, header, view, key)
+                payload_len=view.nbytes, payload_checksum=digest or 0, flags=flags, key=key)
+            yield Frame(i, header, view, key, deferred)
+
+    def settle(self, i: int) -> None:
+        """Checksum DEFERRED page i (once its frame was produced), if not done yet."""
+        if self.sums[i] is None:
+            self.sums[i] = checksum(self.views[i])
 
     def commit(self) -> Frame:
         n, plan = len(self.views), self.plan
         if len(self.sums) != n:
             raise RuntimeError(f"commit after {len(self.sums)} of {n} pages")
+        for i in range(n):
+            self.settle(i)
         return Frame(n, encode_header(Kind.COMMIT, self.rbytes, plan.epoch, seq=n, page_index=n,
                                       token_count=plan.num_tokens, aux=self.first_token,
                                       payload_checksum=commit_digest(self.sums), key=plan.key),
@@ -214,6 +229,10 @@ class TransportCore(abc.ABC):
     # Whether `_drain` allocates what it drains (UCX); then a rejected payload is drained
     # only up to what the reservation it names allows (`_check_drain`).
     drain_allocates = False
+    # Whether fault-free sends build DEFERRED DATA frames (no checksum in the header): the
+    # transport's `_stream` settles each page's checksum (`Frame.source`) after handing the
+    # page over, and the COMMIT is streamed after the pages (UCX: see ucx.py).
+    defers_checksums = False
     # What a lost peer looks like on this wire (TimeoutError is an OSError).
     _lost: tuple[type[BaseException], ...] = (OSError, EOFError)
     # Listener limits (instance attributes may override them): an inbound link bound to no
@@ -465,8 +484,9 @@ class TransportCore(abc.ABC):
             key = reservation_bytes(rid)
         except ValueError as exc:
             raise TransferError(rid, Reason.INVALID_PLAN, str(exc)) from None
-        source = FrameSource(plan, key, views, ready)
         schedule = self._frame_filter(plan) if self._frame_filter is not None else None
+        source = FrameSource(plan, key, views, ready,
+                             defer=self.defers_checksums and schedule is None)
         started = time.perf_counter()
         try:
             async with asyncio.timeout(plan.deadline_s):
@@ -555,6 +575,11 @@ class TransportCore(abc.ABC):
             await self._emit(link, items, reply)
             return
         if ready is None or ready.ready >= n:
+            if source.defer:  # the COMMIT's digest needs the sums settled while sending
+                await self._stream(link, source.data(0, n), reply)
+                if not reply.done():
+                    await self._stream(link, [source.commit()], reply)
+                return
             frames = source.all()
             await self._stream(link, frames if self.lazy_frames else list(frames), reply)
             return

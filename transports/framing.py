@@ -17,7 +17,12 @@ receiver does not hold cannot be (it changes nothing but the sender's own send).
 - DATA: one page; `token_count` = valid tokens in that page; payload = the page bytes.
   `flags` may carry `PAUSE`: the sender streams (issue 16) and the pages after this one
   are not final yet, so the next frame may come much later (the receiver then waits for
-  it as long as the transfer is live instead of within the progress timeout).
+  it as long as the transfer is live instead of within the progress timeout). `flags` may
+  carry `DEFERRED`: `payload_checksum` is not given (0); the receiver checksums the page
+  once it landed and the COMMIT's digest verifies it (the ucx sender posts a run of pages
+  before it checksums them, so the checksum runs while the receiver copies: transports/
+  README.md). Either way no transfer commits unless every page's checksum, as landed,
+  matches what the sender computed.
 - COMMIT: `page_index` = pages sent, `token_count` = total prompt tokens, `aux` = first
   token, `payload_checksum` = `commit_digest()` of the page checksums in order; no payload.
 - ACK: the receiver verified and committed; `token_count` echoes the total.
@@ -56,6 +61,7 @@ _KEY_LABEL = b"pdmesh-kv\x00"
 MAX_PAYLOAD = 1 << 31  # one page is far smaller; bounds scratch drains on a corrupt length
 MAX_NACK_DETAIL = 4096
 PAUSE = 0x1  # DATA flag: the next frame of this transfer may come late (streamed send)
+DEFERRED = 0x2  # DATA flag: no page checksum in this header: the COMMIT's digest verifies it
 
 checksum = xxhash.xxh3_64_intdigest  # accepts any buffer (memoryview, numpy) without copying
 
@@ -67,7 +73,7 @@ class Kind(enum.IntEnum):
     NACK = 4
 
 
-_KNOWN_FLAGS = {Kind.DATA: PAUSE}  # the flags each kind may carry (others: none)
+_KNOWN_FLAGS = {Kind.DATA: PAUSE | DEFERRED}  # the flags each kind may carry (others: none)
 
 
 class FrameHeader(NamedTuple):
@@ -187,7 +193,8 @@ def tokens_in_page(page_index: int, num_tokens: int, page_tokens: int) -> int:
 
 
 __all__ = [
-    "HEADER_SIZE", "MAC_SIZE", "MAGIC", "MAX_PAYLOAD", "PAUSE", "VERSION", "FrameError",
+    "DEFERRED", "HEADER_SIZE", "MAC_SIZE", "MAGIC", "MAX_PAYLOAD", "PAUSE", "VERSION",
+    "FrameError",
     "FrameHeader", "Kind", "checksum", "commit_digest", "decode_header", "encode_header", "mac_ok",
     "reservation_bytes", "tokens_in_page", "transfer_key",
 ]

@@ -18,6 +18,7 @@ import uuid
 from .base import POISON_BYTE, EventCallback, ExpectedTransfer, TransferResult, TransportStats
 from .errors import AuthError, Reason, TransferError
 from .framing import (
+    DEFERRED,
     MAX_NACK_DETAIL,
     FrameHeader,
     Kind,
@@ -176,13 +177,20 @@ class ReceiveTable:
         slot.next_index += 1
         return slot, None
 
-    def data_done(self, slot: Slot, h: FrameHeader) -> bytes | None:
-        """The payload of a checked DATA frame landed in its page: verify its checksum."""
+    def data_done(self, slot: Slot, h: FrameHeader, actual: int | None = None) -> bytes | None:
+        """The payload of a checked DATA frame landed in its page: verify its checksum.
+        `actual`: the landed page's checksum when the caller already computed it (after the
+        write into the page ended). A `DEFERRED` frame carries none: the page's checksum is
+        recorded and the COMMIT's digest (`check_commit`) verifies it."""
         if not slot.live:
             return None
         self.stats.frames_received += 1
         self.stats.bytes_received += h.payload_len
-        actual = checksum(slot.views[h.page_index])
+        if actual is None:
+            actual = checksum(slot.views[h.page_index])
+        if h.flags & DEFERRED:
+            slot.page_checksums[h.page_index] = actual
+            return None
         if actual != h.payload_checksum:
             detail = f"page {h.page_index} checksum {actual:#x} != {h.payload_checksum:#x}"
             self.fail(slot, Reason.BAD_CHECKSUM, detail, notify=False)

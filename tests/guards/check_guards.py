@@ -102,6 +102,15 @@ MUTATIONS = [
              "checksum = lambda data: 0  # noqa  # accepts any buffer",
              (ISO + "test_data_plane_faults.py::"
               "test_faulty_transfer_fails_only_that_request[corrupt_payload]",)),
+    Mutation("commit-digest", "a COMMIT commits only if its digest matches every page's "
+             "checksum as landed (the only check of DEFERRED pages: ucx's)",
+             "transports/receiver.py",
+             "        elif h.payload_checksum != commit_digest([slot.page_checksums.get(i, 0)\n"
+             "                                                   for i in range(t.num_pages)]):\n"
+             "            reason, detail = Reason.BAD_CHECKSUM, \"commit digest mismatch\"",
+             "        elif False:\n            pass",
+             ("tests/transports/test_deferred_checksums.py::"
+              "test_a_deferred_page_that_differs_from_the_senders_fails_the_commit",)),
     Mutation("epoch", "frames must name the live lease's epoch",
              "transports/receiver.py",
              "        if h.epoch != t.epoch:\n            reason, detail"
