@@ -123,8 +123,8 @@ def without_ucxx_env():
     processes from zero-copy CMA (~10 GB/s) into software emulation over tcp/lo (~1 GB/s)."""
     injected: dict[str, str] = {}
     if "ucxx" in sys.modules:  # (else nothing was injected: leave ucxx unloaded)
-        from . import ucx as ucx_module
-        injected = dict(ucx_module.UCXX_ENV)
+        from .ucx import UCXX_ENV
+        injected = dict(UCXX_ENV)
     hidden = {k: os.environ.pop(k) for k, v in injected.items() if os.environ.get(k) == v}
     try:
         yield
