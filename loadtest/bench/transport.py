@@ -29,8 +29,11 @@ core per side would show.
 Layouts: `process` (default) receives in a child process
 (`pdmesh.loadtest.bench.transport_peer`), as decode receives from prefill, so sender and
 receiver work in parallel and each side pays one checksum pass; both the transport and the
-raw baseline are timed until the receiver acknowledged. `loop` runs both sides in one event
-loop (everything serialised).
+raw baseline are timed until the receiver acknowledged. Every kind's peer lives for the
+whole run and at each size the kinds take turns, round by round (`--repeat` rounds), so
+that all kinds are measured over the same stretch of time. `loop` runs both sides in one
+event loop (everything serialised), kind after kind. Rows of kinds other than tcp carry
+`vs_tcp` (their GB/s over tcp's at the same size) when tcp was benched too.
 """
 
 from __future__ import annotations
@@ -303,30 +306,45 @@ def _payload(mib: int) -> np.ndarray:
     return np.random.default_rng(mib).integers(0, 256, (n, PAGE_BYTES), np.uint8)
 
 
-async def _best_of(repeat: int, t_end: float, transport_once: Callable[[], Awaitable[float]],
-                   raw_once: Callable[[], Awaitable[float]],
-                   peer: _Peer | None = None) -> tuple[float, float, dict]:
-    """Fastest transport and raw seconds of `repeat` alternating runs (until `t_end`), and
-    with a peer the median CPU time per run of each side (seconds: tx, rx, raw_tx, raw_rx)."""
-    best_t = best_raw = float("inf")
-    cpu: dict[str, list[float]] = {"tx": [], "rx": [], "raw_tx": [], "raw_rx": []}
+class _Samples:
+    """One kind's runs at one size: the fastest transport and raw seconds so far, and with a
+    peer the CPU time of each run on each side (seconds: tx, rx, raw_tx, raw_rx)."""
 
-    async def timed_cpu(once: Callable[[], Awaitable[float]], prefix: str) -> float:
-        if peer is None:
+    def __init__(self, transport_once: Callable[[], Awaitable[float]],
+                 raw_once: Callable[[], Awaitable[float]], peer: _Peer | None = None) -> None:
+        self.transport_once, self.raw_once, self.peer = transport_once, raw_once, peer
+        self.best_t = self.best_raw = float("inf")
+        self._cpu: dict[str, list[float]] = {"tx": [], "rx": [], "raw_tx": [], "raw_rx": []}
+
+    async def run(self) -> None:
+        """One transport run, then one raw run."""
+        self.best_t = min(self.best_t, await self._timed(self.transport_once, ""))
+        self.best_raw = min(self.best_raw, await self._timed(self.raw_once, "raw_"))
+
+    def cpu(self) -> dict:
+        """Median CPU seconds per run of each side."""
+        return {k: statistics.median(v) for k, v in self._cpu.items() if v}
+
+    async def _timed(self, once: Callable[[], Awaitable[float]], prefix: str) -> float:
+        if self.peer is None:
             return await once()
-        tx, rx = time.process_time(), await peer.cpu()
+        tx, rx = time.process_time(), await self.peer.cpu()
         seconds = await once()
-        cpu[prefix + "tx"].append(time.process_time() - tx)
+        self._cpu[prefix + "tx"].append(time.process_time() - tx)
         await asyncio.sleep(0.01)  # the peer's last bookkeeping after its reply
-        cpu[prefix + "rx"].append(await peer.cpu() - rx)
+        self._cpu[prefix + "rx"].append(await self.peer.cpu() - rx)
         return seconds
 
+
+async def _best_of(repeat: int, t_end: float, transport_once: Callable[[], Awaitable[float]],
+                   raw_once: Callable[[], Awaitable[float]]) -> tuple[float, float]:
+    """Fastest transport and raw seconds of `repeat` alternating runs (until `t_end`)."""
+    samples = _Samples(transport_once, raw_once)
     for _ in range(repeat):
-        if time.monotonic() > t_end and best_t < float("inf"):
+        if time.monotonic() > t_end and samples.best_t < float("inf"):
             break  # out of budget, but every size gets one measured run
-        best_t = min(best_t, await timed_cpu(transport_once, ""))
-        best_raw = min(best_raw, await timed_cpu(raw_once, "raw_"))
-    return best_t, best_raw, {k: statistics.median(v) for k, v in cpu.items() if v}
+        await samples.run()
+    return samples.best_t, samples.best_raw
 
 
 def mac_cost_us(frames: int = 20000) -> float:
@@ -370,27 +388,55 @@ async def _add_perftest(row: dict, kind: str, nbytes: int, repeat: int) -> None:
 
 
 async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[dict]:
+    """Every kind's receiving peer and sender live for the whole run, and at each size the
+    kinds take turns (a transport run and a raw run each per round): the figures of all
+    kinds, and the ratios between them (`vs_tcp`), come from the same stretch of time. On a
+    shared machine single figures moved 1.5-2x within minutes (transports/README.md);
+    kind after kind, a ucx / tcp ratio compared two different stretches."""
     t_end = time.monotonic() + budget_s
     results = []
-    for kind in kinds:
-        ucx = _ucx_for(kind)
-        peer = await _Peer.start(kind, "tcp" if ucx is None else "ucx")
-        sender = make_transport(kind, progress_timeout_s=PROGRESS_S)
-        await sender.start()
-        try:
-            for mib in SIZES_MIB:
-                payload = _payload(mib)
+    sides: list[tuple[str, ModuleType | None, _Peer, object]] = []
+    try:
+        for kind in kinds:
+            ucx = _ucx_for(kind)
+            peer = await _Peer.start(kind, "tcp" if ucx is None else "ucx")
+            sender = make_transport(kind, progress_timeout_s=PROGRESS_S)
+            sides.append((kind, ucx, peer, sender))
+            await sender.start()
+        for mib in SIZES_MIB:
+            payload = _payload(mib)
+            samples = []
+            for _kind, ucx, peer, sender in sides:
                 await _peer_transport_once(peer, sender, payload)  # warm-up (connect, pages)
                 await _peer_raw_once(peer, payload, ucx)
-                best_t, best_raw, cpu = await _best_of(
-                    repeat, t_end, functools.partial(_peer_transport_once, peer, sender, payload),
-                    functools.partial(_peer_raw_once, peer, payload, ucx), peer)
-                results.append(_row(kind, mib, "process", payload.nbytes, best_t, best_raw, cpu))
+                samples.append(_Samples(
+                    functools.partial(_peer_transport_once, peer, sender, payload),
+                    functools.partial(_peer_raw_once, peer, payload, ucx), peer))
+            for round_ in range(repeat):
+                if round_ and time.monotonic() > t_end:
+                    break  # out of budget, but every size gets one measured round
+                for sample in samples:
+                    await sample.run()
+            for (kind, _, _, _), sample in zip(sides, samples, strict=True):
+                results.append(_row(kind, mib, "process", payload.nbytes, sample.best_t,
+                                    sample.best_raw, sample.cpu()))
                 await _add_perftest(results[-1], kind, payload.nbytes, repeat)
-        finally:
-            await sender.close()
+    finally:
+        for _, _, peer, sender in sides:
+            await sender.close()  # type: ignore[attr-defined]
             await peer.stop()
     return results
+
+
+def _add_vs_tcp(results: list[dict]) -> None:
+    """`vs_tcp` on every other kind's row: its GB/s over tcp's at the same size and layout
+    (issue 14's targets compare ucx and nixl with tcp in the same run)."""
+    tcp = {(r["mib"], r["layout"]): r["transport_gbps"] for r in results
+           if r["transport"] == "tcp"}
+    for row in results:
+        base = tcp.get((row["mib"], row["layout"]))
+        if row["transport"] != "tcp" and base:
+            row["vs_tcp"] = row["transport_gbps"] / base
 
 
 async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> dict:
@@ -403,6 +449,7 @@ async def _run(kinds: list[str], repeat: int, budget_s: float, layout: str) -> d
                    else await _run_loop(kinds, repeat, budget_s))
     finally:
         stop_ucx_notifier()
+    _add_vs_tcp(results)
     mac_us = mac_cost_us()
     for row in results:  # what authenticating its frames costs, as a share of the transfer
         frames = row["mib"] * (1 << 20) // PAGE_BYTES + 1
@@ -432,7 +479,7 @@ async def _run_loop(kinds: list[str], repeat: int, budget_s: float) -> list[dict
                 await _transport_once(payload, dst, pair)  # warm-up (connect, pages)
                 raw_once = (functools.partial(_raw_ucx_once, payload, dst, ucx)
                             if ucx is not None else functools.partial(_raw_tcp_once, payload, dst))
-                best_t, best_raw, _ = await _best_of(
+                best_t, best_raw = await _best_of(
                     repeat, t_end, functools.partial(_transport_once, payload, dst, pair),
                     raw_once)
                 assert (dst == payload).all()

@@ -45,11 +45,17 @@ def test_bench_transport_json() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not importable")
 def test_bench_transport_ucx_json_has_the_native_perftest() -> None:
-    """ucx rows carry the native `ucx_perftest -t tag_bw` figure of the same run."""
-    got = _json_last_line("transport", "--kinds", "ucx", "--repeat", "1", "--budget-s", "5")
-    rows = got["results"]
-    assert [r["mib"] for r in rows] == [1, 16, 64]
+    """ucx rows carry the native `ucx_perftest -t tag_bw` figure of the same run, and their
+    GB/s over tcp's at the same size (the kinds take turns at each size)."""
+    got = _json_last_line("transport", "--kinds", "tcp,ucx", "--repeat", "1",
+                          "--budget-s", "5")
+    rows = [r for r in got["results"] if r["transport"] == "ucx"]
+    tcp = {r["mib"]: r for r in got["results"] if r["transport"] == "tcp"}
+    assert [r["mib"] for r in rows] == [1, 16, 64] and sorted(tcp) == [1, 16, 64]
+    assert [r["transport"] for r in got["results"]] == ["tcp", "ucx"] * 3
+    assert not any("vs_tcp" in r for r in tcp.values())
     for r in rows:
+        assert r["vs_tcp"] == pytest.approx(r["transport_gbps"] / tcp[r["mib"]]["transport_gbps"])
         assert r["transport_gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
         assert r["perftest_gbps"] > 0, "ucx_perftest from the libucx wheel did not run"
         assert r["vs_perftest"] == pytest.approx(r["transport_gbps"] / r["perftest_gbps"])
