@@ -61,8 +61,9 @@ async def test_run_into_destination_pages_that_are_not_adjacent(faulty_pair, ucx
 async def test_a_run_that_is_not_followed_by_its_headers_fails_only_that_transfer(
         faulty_pair, ucx, kind):
     """Frame 0 claims a run of 3 (sent through the frame hook, one message per frame): the
-    receiver reads page 0's payload where it expects header 1 and fails the transfer;
-    nothing of it lands, and the next transfer goes through."""
+    receiver finds no more headers in that header's message (what it reads for headers 1
+    and 2 fails their checks) and fails the transfer; nothing of it lands, and the next
+    transfer goes through."""
     receiver, sender, address = faulty_pair
     src, dst, target, plan = make_case(num_tokens=100)
     snapshot = dst.snapshot()
