@@ -333,9 +333,9 @@ class UcxTransport(TransportCore):
         # A header receive kept posted across `_recv_header(idle=True)` calls, by endpoint
         # (a posted UCX receive cannot be taken back: a new one would miss the message).
         self._headers: dict[int, asyncio.Task] = {}
-        # What a header receive got after its first header (the rest of a run's headers,
-        # sent in the same message), by endpoint, for `_recv_run_headers`.
-        self._run_headers: dict[int, bytes] = {}
+        # The buffer of the last header receive, by endpoint: after its first header, the
+        # rest of a run's headers (sent in the same message), for `_recv_run_headers`.
+        self._run_headers: dict[int, np.ndarray] = {}
         # Outbound links in error mode "none": the endpoint (to the receiver's worker
         # address, no peer error handling) every sender->receiver message goes on, so they
         # stay in order; by the listener endpoint's id.
@@ -433,17 +433,16 @@ class UcxTransport(TransportCore):
         room = max(1, self.receive_window) if _posting(ep) else 1
         buf = np.zeros(room * HEADER_SIZE, np.uint8)
         await timed(ep.recv(buf), progress_s)
-        data = buf.tobytes()
-        self._run_headers[id(ep)] = data[HEADER_SIZE:]
-        return data[:HEADER_SIZE]
+        self._run_headers[id(ep)] = buf
+        return buf[:HEADER_SIZE].tobytes()
 
     async def _recv_run_headers(self, ep, n: int, progress: float) -> list[bytes]:
         """The rest of a run's headers came in the run's first header message (one receive
         instead of two: each costs a hand-off from UCX's progress thread to the event
         loop, measured 0.3-0.6 ms here). Missing ones read as zeros: they fail their
         checks (bad magic), and the link ends."""
-        data = self._run_headers.pop(id(ep), b"")
-        return [data[i * HEADER_SIZE:(i + 1) * HEADER_SIZE].ljust(HEADER_SIZE, b"\0")
+        data = self._run_headers.pop(id(ep), b"")[HEADER_SIZE:]
+        return [bytes(data[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]).ljust(HEADER_SIZE, b"\0")
                 for i in range(n)]
 
     async def _recv_run(self, ep, slot: Slot, run: list[FrameHeader]):

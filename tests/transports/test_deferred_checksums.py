@@ -100,9 +100,9 @@ async def test_a_deferred_page_that_differs_from_the_senders_fails_the_commit(co
     assert (dst.array[7:] == snapshot[7:]).all()
 
 
-@pytest.mark.skipif(not HAVE_UCX, reason="ucxx is not importable")
 @pytest.mark.parametrize("kind,deferred", [("tcp", False), pytest.param(
-    "ucx", True, marks=pytest.mark.ucx)])
+    "ucx", True, marks=[pytest.mark.ucx,
+                        pytest.mark.skipif(not HAVE_UCX, reason="ucxx is not importable")])])
 async def test_ucx_sends_deferred_frames_and_checks_large_runs_off_the_loop(kind, deferred):
     """ucx's fault-free frames are DEFERRED (tcp's are not); a run of 1 MiB pages lands,
     is checksummed (in ucx's worker thread: runs of 4 MiB and more) and commits."""
