@@ -46,8 +46,12 @@ async def run_failing(pair, faults=None, plan_changes=None, target_changes=None,
         await sender.send(address, plan, src.views())
     received = None
     if plan.reservation_id == target.reservation_id:
-        with pytest.raises(TransferError) as got:
-            await asyncio.wait_for(fut, 3)
+        try:
+            with pytest.raises(TransferError) as got:
+                await asyncio.wait_for(fut, 3)
+        except TimeoutError:  # say why: the sender may have failed before any verdict
+            pytest.fail(f"the receiver did not fail the transfer within 3 s; the sender "
+                        f"failed with {sent.value.reason.name}: {sent.value}")
         received = got.value
         assert_untouched_or_poisoned(dst, snapshot, received, target.page_ids)
     else:
