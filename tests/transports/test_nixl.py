@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import struct
+import time
 import uuid
 
 import numpy as np
@@ -238,3 +239,27 @@ async def test_a_peer_without_a_live_reservations_key_gets_no_staging_region(for
         assert not fut.done()  # the live reservation is untouched ...
         await sender.send(address, plan, src.views())
         await fut  # ... and its rightful sender is served
+
+
+async def test_a_links_first_write_gets_the_set_up_bound_not_the_progress_timeout(monkeypatch):
+    """UCX connects to the receiver's agent at a link's first WRITE (measured here: 21 ms
+    median against 0.05-0.5 ms for later WRITEs). A process that stalls longer than the
+    progress timeout while that WRITE is in flight (a loaded machine) must not fail the
+    send as a lost peer: the first WRITE is bounded like the link's set-up."""
+    async with _nixl() as (receiver, sender, address):
+        loop = asyncio.get_running_loop()
+        post = nixl.NixlTransport._post
+        stalls = []
+
+        def stalling_post(self, out, *args):
+            post(self, out, *args)
+            if not stalls:  # the link's first WRITE: the whole process stalls meanwhile
+                stalls.append(loop.call_later(0.002, time.sleep, 1.5 * PROGRESS_S))
+
+        monkeypatch.setattr(nixl.NixlTransport, "_post", stalling_post)
+        src, dst, target, plan = make_case(page_bytes=PAGE)
+        fut = receiver.expect(target)
+        await sender.send(address, plan, src.views())
+        await fut
+        assert stalls and sender._setup_s() > 1.5 * PROGRESS_S
+        assert (dst.array[:plan.num_pages] == src.array[:plan.num_pages]).all()
