@@ -63,7 +63,7 @@ import numpy as np
 
 from ._sock import RawSocket, StalledError
 from .base import EventCallback, PagesReady, TransferAck, TransferPlan
-from .core import Cut, Frame, FrameFilter, reason_of
+from .core import Cut, Frame, FrameFilter, LoopTurns, reason_of
 from .errors import FrameError, Reason, TransferError
 from .framing import (
     HEADER_SIZE,
@@ -545,6 +545,7 @@ class NixlTransport(TcpTransport):
         written again only after the receiver copied the page that used it (credits)."""
         out = self._out[conn]
         slots = 0
+        turns = LoopTurns(self.loop_turn_s)
         group: list[Frame] = []
         group_bytes = 0
 
@@ -593,6 +594,7 @@ class NixlTransport(TcpTransport):
                 group.append(frame)
                 group_bytes += len(frame.payload)
                 await self._landed(conn, out, wait=False)
+                await turns.take()
             flush()
             while out.posted and not reply.done():  # the end of a segment: all of it goes
                 await self._landed(conn, out, wait=True)

@@ -16,7 +16,7 @@ import socket
 
 from ._sock import RawSocket, tune
 from .base import EventCallback
-from .core import Cut, Frame, FrameFilter, TransportCore, parse_address
+from .core import Cut, Frame, FrameFilter, LoopTurns, TransportCore, parse_address
 from .errors import Reason, TransferError
 from .framing import HEADER_SIZE, FrameHeader
 from .receiver import Slot
@@ -180,6 +180,7 @@ class TcpTransport(TransportCore):
         built lazily, batch by batch, so that a page is sent while still in cache."""
         batch: list[bytes | memoryview] = []
         size = 0
+        turns = LoopTurns(self.loop_turn_s)
         for frame in frames:
             batch.append(frame.header)
             if len(frame.payload):
@@ -190,6 +191,7 @@ class TcpTransport(TransportCore):
                     return  # the receiver already answered (a NACK): stop sending
                 self._count_sent(await conn.send_all(batch, self.progress_timeout_s), batch)
                 batch, size = [], 0
+                await turns.take()
         if batch and not reply.done():
             self._count_sent(await conn.send_all(batch, self.progress_timeout_s), batch)
 

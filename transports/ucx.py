@@ -54,7 +54,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from .base import EventCallback
-from .core import Cut, Frame, FrameFilter, TransportCore, parse_address, timed
+from .core import Cut, Frame, FrameFilter, LoopTurns, TransportCore, parse_address, timed
 from .errors import LinkIdle, Reason, TransferError
 from .framing import HEADER_SIZE, FrameHeader, checksum, decode_header, encode_header
 from .receiver import Slot
@@ -600,6 +600,7 @@ class UcxTransport(TransportCore):
             return
         posted = []
         tx = self._tx_eps.get(id(ep), ep)
+        turns = LoopTurns(self.loop_turn_s)
         for run in _runs(frames):
             headers = [f.header for f in run]
             if len(run) > 1:  # the first header announces the run (`aux`); all go at once
@@ -616,6 +617,7 @@ class UcxTransport(TransportCore):
             for f in run:  # DEFERRED pages: checksummed while UCX moves them
                 if f.source is not None:
                     f.source.settle(f.index)
+                    await turns.take()
         for array, req in posted:
             await timed(req.wait(), self.progress_timeout_s)
             self.stats.bytes_sent += array.nbytes

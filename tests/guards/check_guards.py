@@ -476,6 +476,15 @@ MUTATIONS = [
              '    return "none"',
              ("tests/transports/test_ucx_error_mode.py::"
               "test_auto_is_none_only_where_every_ucx_transport_survives_a_lost_peer",)),
+    Mutation("loop-turns", "a receiver gives its event loop turns even when the link always "
+             "has the next bytes (decode's streams and fence() are not held for a whole "
+             "transfer)",
+             "transports/core.py",
+             "                await turns.take()  # a link that is always full must not "
+             "hold the loop\n",
+             "",
+             ("tests/transports/test_loop_turns.py::"
+              "test_a_receiver_whose_link_is_always_full_gives_the_loop_turns",)),
 ]
 
 
