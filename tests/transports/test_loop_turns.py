@@ -21,7 +21,7 @@ from pdmesh.transports.core import build_frames, parse_address
 from pdmesh.transports.framing import reservation_bytes
 
 PAGES = 32
-PAGE_BYTES = 2048  # 32 frames and the commit: ~68 KB, within a socket's default buffers
+PAGE_BYTES = 1024  # 32 frames and the commit: ~35 KB, well within a fresh link's window
 
 
 async def test_a_receiver_whose_link_is_always_full_gives_the_loop_turns():
@@ -35,8 +35,8 @@ async def test_a_receiver_whose_link_is_always_full_gives_the_loop_turns():
             plan, reservation_bytes(plan.reservation_id), src.views()[:plan.num_pages]))
         # Blocking, from the loop's own thread: the whole transfer is queued before the
         # receiver reads a byte of it.
-        with socket.create_connection(parse_address(address, "tcp")) as sock:
-            sock.sendall(wire)
+        with socket.create_connection(parse_address(address, "tcp"), timeout=5) as sock:
+            sock.sendall(wire)  # a timeout, not a hang, should the buffers be smaller
             turns = 0
 
             async def ticker() -> None:
