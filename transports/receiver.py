@@ -188,10 +188,7 @@ class ReceiveTable:
         self.stats.bytes_received += h.payload_len
         if actual is None:
             actual = checksum(slot.views[h.page_index])
-        if h.flags & DEFERRED:
-            slot.page_checksums[h.page_index] = actual
-            return None
-        if actual != h.payload_checksum:
+        if not h.flags & DEFERRED and actual != h.payload_checksum:
             detail = f"page {h.page_index} checksum {actual:#x} != {h.payload_checksum:#x}"
             self.fail(slot, Reason.BAD_CHECKSUM, detail, notify=False)
             return self._reject(h, Reason.BAD_CHECKSUM, detail)
