@@ -47,7 +47,7 @@ test-fast: $(VENV)/.installed-test
 ## cluster, prefill and decode on separate hosts), TCP then UCX; root; a few minutes.
 ## Skipped, loudly, only where network namespaces cannot be created.
 test-multihost: $(VENV)/.installed-test
-	@if $(PY) -m tests.multihost.netns; then \
+	@if $(PY) -m tests.support.netns; then \
 	  PDMESH_MULTIHOST=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
 	    tests/multihost $(ARGS); \
 	else \
@@ -59,7 +59,7 @@ test-multihost: $(VENV)/.installed-test
 ## two cores), kept out of `make test` for its time budget.
 test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
-	  tests/gateway/test_gateway_long_context.py $(ARGS)
+	  tests/gateway/test_long_context.py $(ARGS)
 
 ## make test-compose: build the image and run the lab stack for real under dockerd (root).
 test-compose: $(VENV)/.installed-test

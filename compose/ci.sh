@@ -199,7 +199,7 @@ printf 'PDMESH_MESH_SECRET=%s\n' "ci-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \
   > "$PDMESH_SECRETS_DIR/mesh.env"
 # NATS credentials: nats.conf (one role-level user per role, per-subject permissions) and
 # nats-<role>.env for the services (`pdmesh secrets`; the mesh.env above is kept).
-"$python" -m pdmesh.services.natsauth --out "$PDMESH_SECRETS_DIR" >/dev/null \
+"$python" -m pdmesh.services.ops.natsauth --out "$PDMESH_SECRETS_DIR" >/dev/null \
   || fail "pdmesh secrets"
 chmod 0644 "$PDMESH_SECRETS_DIR"/*
 # One resolved file for the run: the lab stack merged with the CI override (and any fault

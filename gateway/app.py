@@ -39,13 +39,13 @@ from pdmesh.gateway.schema import (
 )
 from pdmesh.gateway.tenants import Tenant, TenantDirectory
 from pdmesh.services import faults
-from pdmesh.services import messages as m
 from pdmesh.services.admission.policy import context_rejection
 from pdmesh.services.admission.registry import CapacityRegistry
-from pdmesh.services.config import ServiceConfig
 from pdmesh.services.engine.checkpoint import load_tokenizer
 from pdmesh.services.engine.tokenizer import ChatTemplateError
-from pdmesh.services.runtime import ServiceRuntime, run_service
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.service import ServiceRuntime, run_service
 
 log = logging.getLogger("pdmesh.gateway")
 

@@ -26,10 +26,10 @@ from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.schema import ApiError, ChatBody, CompletionBody, stop_list
 from pdmesh.gateway.tenants import Tenant
 from pdmesh.gateway.text import TextStream
-from pdmesh.services import messages as m
 from pdmesh.services.admission.registry import CapacityRegistry
-from pdmesh.services.config import ServiceConfig
 from pdmesh.services.engine.tokenizer import Tokenizer
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.runtime.config import ServiceConfig
 
 # Request key: the SSE headers are out. aiohttp >= 3.14 has typed request keys and warns on
 # plain strings; older releases (pyproject allows >= 3.9) have neither.

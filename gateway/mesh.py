@@ -23,8 +23,8 @@ from typing import Any
 import nats.errors
 from nats.aio.msg import Msg
 
-from pdmesh.services import messages as m
-from pdmesh.services.runtime import ServiceRuntime
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.runtime.service import ServiceRuntime
 
 log = logging.getLogger("pdmesh.gateway")
 POLL_S = 0.1  # how often a waiting request checks that its client is still there

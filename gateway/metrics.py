@@ -30,7 +30,7 @@ Together with `request_queue_time_seconds` (admission) they make the TTFT breakd
 `pdmesh loadtest` prints (sums and counts scraped before and after a run).
 
 `requests_total` / `e2e_request_latency_seconds` also carry `tenant` and the mesh's one
-reason vocabulary (services/messages.py `Code`): `outcome` is the terminal state
+reason vocabulary (services/protocol/messages.py `Code`): `outcome` is the terminal state
 (`finished`, `rejected`, `aborted`, `failed`) and `reason` the code's label, e.g. `stop`,
 `length`, `context_length_exceeded`, `invalid` (the gateway's own validation),
 `no_workers` (also when admission does not answer), `saturated`, `aborted` (client gone),
@@ -43,7 +43,7 @@ import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdmesh.services import messages as m
+from pdmesh.services.protocol import messages as m
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Phases of a long prompt's TTFT run from milliseconds to minutes on a CPU.

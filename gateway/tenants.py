@@ -19,7 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdmesh.services.errors import ConfigError
+from pdmesh.services.protocol.errors import ConfigError
 
 DEV_TENANTS_FILE = Path(__file__).with_name("dev_tenants.toml")
 

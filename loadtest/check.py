@@ -42,7 +42,7 @@ from typing import Any
 
 import nats
 
-from pdmesh.services import messages as m
+from pdmesh.services.protocol import messages as m
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 WORKER_ROLES = (m.Role.PREFILL, m.Role.DECODE)

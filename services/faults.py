@@ -40,9 +40,9 @@ from typing import Any
 
 import msgspec
 
-from pdmesh.services import messages as m
 from pdmesh.services.admission.policy import Admitted, LivePolicy, Rejected, WorkerView
-from pdmesh.services.config import ServiceConfig
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.runtime.config import ServiceConfig
 from pdmesh.transports import (
     FaultInjectingTransport,
     FaultPlan,

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.meshproc import Mesh, NatsServer, mesh_env, run_mesh
+from tests.support.meshproc import Mesh, NatsServer, mesh_env, run_mesh
 
 # Every process the suite starts runs with the dev mesh secret and dev tenants, as `make up`
-# does (tests/mesh/test_launcher.py checks that a start without this is refused).
+# does (tests/ops/test_launcher.py checks that a start without this is refused).
 os.environ.setdefault("PDMESH_ALLOW_DEV_CREDENTIALS", "1")
 
 # The shared mesh: tiny model, a decode/prefill pool smaller than the model's configured

@@ -124,7 +124,7 @@ class ProducerFailed(Exception):
 
 
 class PagesReady:
-    """Sender side: how many of a transfer's pages are final (streamed send, issue 16).
+    """Sender side: how many of a transfer's pages are final (streamed send).
 
     The transport builds (checksums) and sends page i only after pages [0, i] are final;
     the commit goes after all of them. The producer (prefill) calls `advance(n)` after each

@@ -25,7 +25,7 @@ and may override `_stream()`, the fault-free way to send a transfer's frames (TC
 them into few `sendmsg` calls); `_lost` names the exceptions that mean a lost peer.
 `progress_s` bounds one wait for the peer (None: no bound, an idle link).
 
-Streamed send (`send(..., ready=PagesReady)`, issue 16): the link is opened at once; the
+Streamed send (`send(..., ready=PagesReady)`): the link is opened at once; the
 frames of pages [sent, ready) are built (checksummed) and sent as soon as `ready` says
 they are final, the last of such a segment flagged PAUSE when pages remain; the commit
 goes after every page. The receiver waits for the frame after a PAUSE for as long as the

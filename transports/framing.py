@@ -15,7 +15,7 @@ covers every page digest. ACKs are MACed the same way; a NACK for a reservation 
 receiver does not hold cannot be (it changes nothing but the sender's own send).
 
 - DATA: one page; `token_count` = valid tokens in that page; payload = the page bytes.
-  `flags` may carry `PAUSE`: the sender streams (issue 16) and the pages after this one
+  `flags` may carry `PAUSE`: the sender streams and the pages after this one
   are not final yet, so the next frame may come much later (the receiver then waits for
   it as long as the transfer is live instead of within the progress timeout). `flags` may
   carry `DEFERRED`: `payload_checksum` is not given (0); the receiver checksums the page

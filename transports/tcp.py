@@ -27,8 +27,7 @@ _SCRATCH_BYTES = 1 << 20
 _ACCEPT_BACKOFF_S = (0.01, 1.0)  # first and longest pause after a failed accept()
 # Frames per sendmsg: up to 1 MiB (or 128 frames). Each batch is checksummed right before
 # it is sent, so the kernel's copy reads it from L2, where the checksum just left it: 8 MiB
-# batches were read from memory twice (`pdmesh bench transport`, session 9: tcp/raw at
-# 64 MiB 0.80-0.84 with 8 MiB, 0.93-0.99 with 1 MiB; at 16 MiB 0.69-0.80 -> 0.80-0.97).
+# batches were read from memory twice (measure with `pdmesh bench transport`).
 _BATCH_BYTES = 1 << 20
 _BATCH_FRAMES = 128
 

@@ -95,7 +95,7 @@ _NO_ERRH_SAFE = frozenset({"tcp", "posix", "sysv", "cma", "knem", "xpmem", "self
 
 def error_mode_setting(mode: str | None = None) -> str:
     """`mode`, else `PDMESH_UCX_ERROR_MODE`, checked: "auto" (the default), "peer" or
-    "none" (services pass `--ucx-error-mode`, services/config.py)."""
+    "none" (services pass `--ucx-error-mode`, services/runtime/config.py)."""
     if mode is None:
         mode = (os.environ.get(ERROR_MODE_ENV) or "auto").strip().lower()
     if mode not in ("auto", "peer", "none"):

@@ -38,11 +38,11 @@ import aiohttp
 import nats
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdmesh.services import messages as m
 from pdmesh.services.admission.service import AdmissionService
-from pdmesh.services.config import resolve
-from pdmesh.services.launcher import free_port, nats_server_binary
-from pdmesh.services.runtime import counter_total
+from pdmesh.services.ops.launcher import free_port, nats_server_binary
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.runtime.config import resolve
+from pdmesh.services.runtime.service import counter_total
 
 TARGET_MEDIAN_MS = 2.0
 TARGET_MEDIAN_S = TARGET_MEDIAN_MS / 1000.0

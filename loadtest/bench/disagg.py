@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from pdmesh.loadtest import phases
 from pdmesh.loadtest.bench import print_report
-from pdmesh.services.launcher import free_port
+from pdmesh.services.ops.launcher import free_port
 
 LENGTHS = {"tiny": (1024, 4096, 16384, 32768), "smollm2": (1024, 4096, 8192)}
 TOKEN_RANGE = {"tiny": (3, 250), "smollm2": (200, 40000)}  # plain ids of each vocabulary
@@ -152,7 +152,7 @@ def started(label: str, model: str, context: int, colocated: bool) -> Iterator[S
 
 def _start(label: str, model: str, context: int, colocated: bool) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "pdmesh.services.cli", "up", "--model", model,
+    cmd = [sys.executable, "-m", "pdmesh.services.ops.cli", "up", "--model", model,
            "--gateway-port", str(port), "--max-context", str(context),
            "--kv-tokens", str(context + 256), *(["--colocated"] if colocated else [])]
     env = {**os.environ, "PDMESH_ALLOW_DEV_CREDENTIALS": "1", "PDMESH_LOG_LEVEL": "WARNING",

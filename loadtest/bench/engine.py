@@ -150,7 +150,7 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
 
     paged, contiguous, dense, checks = [], [], [], []
 
-    def check_all() -> None:  # what a step checks: check_decode_batch (session 9)
+    def check_all() -> None:  # what a decode step checks: check_decode_batch
         pool.check_decode_batch(leases, [position[0]] * batch)
 
     for i in range(steps // 2):
@@ -177,8 +177,8 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
 
 
 def _reference_args(device: str, dtype: torch.dtype) -> dict:
-    """ReferenceEngine arguments; engines before issue 17 took no device dtype (the bench
-    also runs against them, to measure the "before" figures)."""
+    """ReferenceEngine arguments; older engines took no device dtype (the bench also runs
+    against them, to measure a "before" figure in the same run)."""
     return {} if (device, dtype) == ("cpu", torch.float32) else {"device": device,
                                                                   "dtype": dtype}
 
@@ -258,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "weights_stream_ms": 1000 * stream_s,
         "decode_vs_dense_b1": results["decode_step_s_b1"] / results["dense_forward_s_b1"],
         "decode_vs_dense_b16": results["decode_step_s_b16"] / results["dense_forward_s_b16"],
-        # Issue 17's "prefill_vs_dense_4k (attention included)": against the bare forward
-        # of the prompt, attention included; the matmul-only floor is kept beside it.
+        # "prefill_vs_dense" (attention included): against the bare forward of the prompt, attention included; the matmul-only floor is kept beside it.
         "prefill_vs_dense": prefill_s / dense_attention_s,
         "prefill_vs_matmuls": prefill_s / dense_prefill_s,
         "paged_vs_contiguous_b1": results["contiguous_step_s_b1"] / results["decode_step_s_b1"],
@@ -271,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         report["prefill_vs_dense_4k"] = report["prefill_vs_dense"]
         report["prefill_vs_matmuls_4k"] = report["prefill_vs_matmuls"]
     report["native_decode_attention"] = native.usable(pool.device, pool.spec.dtype)
-    # engines before change 8 have no native matmuls (the bench also times old engines)
+    # older engines have no native matmuls (the bench also times them)
     report["native_decode_linear"] = getattr(engine.model, "native_linear", lambda: False)()
     report["load_avg_1m_start"] = load_start
     report["load_avg_1m_end"] = os.getloadavg()[0]

@@ -430,7 +430,7 @@ async def _run_process(kinds: list[str], repeat: int, budget_s: float) -> list[d
 
 def _add_vs_tcp(results: list[dict]) -> None:
     """`vs_tcp` on every other kind's row: its GB/s over tcp's at the same size and layout
-    (issue 14's targets compare ucx and nixl with tcp in the same run)."""
+    (ucx and nixl are judged against tcp timed in the same run)."""
     tcp = {(r["mib"], r["layout"]): r["transport_gbps"] for r in results
            if r["transport"] == "tcp"}
     for row in results:

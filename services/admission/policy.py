@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdmesh.services.capacity import decode_refusal, fits, prefill_refusal
-from pdmesh.services.messages import Code, SubmitRequest
+from pdmesh.services.protocol.capacity import decode_refusal, fits, prefill_refusal
+from pdmesh.services.protocol.messages import Code, SubmitRequest
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from pdmesh.kvstore.prefix_key import aligned_prefix_hashes
 from pdmesh.kvstore.spec import pages_for
-from pdmesh.services import messages as m
 from pdmesh.services.admission.policy import WorkerView
+from pdmesh.services.protocol import messages as m
 
 UNREACHABLE_COOLDOWN_S = 30.0
 

@@ -19,8 +19,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Histogram
 
-from pdmesh.services import faults, tickets
-from pdmesh.services import messages as m
+from pdmesh.services import faults
 from pdmesh.services.admission.policy import (
     AdmissionPolicy,
     Admitted,
@@ -30,9 +29,11 @@ from pdmesh.services.admission.policy import (
     WorkerView,
 )
 from pdmesh.services.admission.registry import CapacityRegistry
-from pdmesh.services.config import ServiceConfig
-from pdmesh.services.lifecycle import Lifecycle, RequestState
-from pdmesh.services.runtime import ServiceRuntime, counter_total, run_service
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import tickets
+from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
+from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.service import ServiceRuntime, counter_total, run_service
 
 log = logging.getLogger("pdmesh.admission")
 
@@ -224,7 +225,7 @@ class AdmissionService:
                     self.cfg.mesh_secret, ticket, req.prompt_ids, res.reservation)),
                 headers=self.policy.dispatch_headers(headers))
         except nats.errors.MaxPayloadError as exc:
-            # A NATS configured below the mesh's max_payload (services/natsauth.py): the
+            # A NATS configured below the mesh's max_payload (services/ops/natsauth.py): the
             # submit fitted, its dispatch does not. Decode lets go now, quietly: the client
             # learns why from admission. On the reserve subject, which admission may publish
             # to (a Release on the release subject is prefill's: NATS refused admission's).

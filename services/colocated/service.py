@@ -26,14 +26,14 @@ import nats.errors
 import torch
 from nats.aio.msg import Msg
 
-from pdmesh.services import messages as m
-from pdmesh.services.config import ServiceConfig
 from pdmesh.services.decode.service import DecodeRequest, DecodeService
 from pdmesh.services.engine.model import prefill_windows
-from pdmesh.services.errors import TicketError
-from pdmesh.services.lifecycle import RequestState
-from pdmesh.services.tickets import TicketVerifier, verify_grant
-from pdmesh.services.worker import run_worker
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol.errors import TicketError
+from pdmesh.services.protocol.lifecycle import RequestState
+from pdmesh.services.protocol.tickets import TicketVerifier, verify_grant
+from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.worker import run_worker
 
 log = logging.getLogger("pdmesh.colocated")
 

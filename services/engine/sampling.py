@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdmesh.services import messages as m
+from pdmesh.services.protocol import messages as m
 
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs bound
 

@@ -23,7 +23,7 @@ TINY_CONFIG = ModelConfig(
     ffn_dim=768,
     rope_theta=10000.0,
     norm_eps=1e-5,
-    max_context=65536,  # long-context tests run 32k-64k prompts (issue 16)
+    max_context=65536,  # long-context tests run 32k-64k prompts
 )
 
 

@@ -5,7 +5,7 @@ worker's pool, prompt running) -> TRANSFERRED (decode acked the verified commit)
 ABORTED / FAILED. Whenever prefill gives up on a request it tells decode at once with a
 `Release` so decode frees its lease within a second (I6): no cleanup path waits out a timeout.
 
-Long prompts (issue 16): the prompt runs one chunk (`prefill_windows`) per turn, and the
+Long prompts: the prompt runs one chunk (`prefill_windows`) per turn, and the
 started prompts take turns (`PrefillQueue`, chunk-level round robin), so a short prompt
 behind a long one is not held up by all of it. The KV streams as it is computed: the
 transfer starts when the lease is taken (an unreachable decode is found before any
@@ -37,17 +37,18 @@ from prometheus_client import Counter, Histogram
 
 from pdmesh.kvstore import KVPool, Lease, PoolExhaustedError, PrefixCache
 from pdmesh.kvstore.spec import pages_for
-from pdmesh.services import faults, tickets
-from pdmesh.services import messages as m
-from pdmesh.services.capacity import prefill_refusal
-from pdmesh.services.config import ServiceConfig
+from pdmesh.services import faults
 from pdmesh.services.engine.model import prefill_windows
 from pdmesh.services.engine.sampling import Sampler
-from pdmesh.services.errors import TicketError
-from pdmesh.services.lifecycle import Lifecycle, RequestState
 from pdmesh.services.prefill.scheduler import PrefillQueue
-from pdmesh.services.runtime import counter_total
-from pdmesh.services.worker import WorkerBase, run_worker
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import tickets
+from pdmesh.services.protocol.capacity import prefill_refusal
+from pdmesh.services.protocol.errors import TicketError
+from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
+from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.service import counter_total
+from pdmesh.services.runtime.worker import WorkerBase, run_worker
 from pdmesh.transports import KVTransport, PagesReady, Reason, TransferError, TransferPlan
 from pdmesh.transports.framing import transfer_key
 

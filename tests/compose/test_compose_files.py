@@ -1,5 +1,5 @@
 """Compose files: valid against the Compose Specification, accepted by docker-compose, and in
-parity with `services/topology.py` (what `pdmesh up` launches).
+parity with `services/ops/topology.py` (what `pdmesh up` launches).
 
 The real run of the stack is `make test-compose` (compose/ci.sh); these checks need no engine.
 """
@@ -19,9 +19,9 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
-from pdmesh.services import natsauth
-from pdmesh.services.config import SETTINGS
-from pdmesh.services.topology import mesh_services
+from pdmesh.services.ops import natsauth
+from pdmesh.services.ops.topology import mesh_services
+from pdmesh.services.runtime.config import SETTINGS
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose"
@@ -112,7 +112,7 @@ def test_docker_compose_accepts(files: list[Path], tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
-# ---- parity with services/topology.py ------------------------------------------------------
+# ---- parity with services/ops/topology.py ------------------------------------------------------
 
 def test_generated_files_are_up_to_date() -> None:
     for path, text in _generator().outputs().items():

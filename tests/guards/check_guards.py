@@ -54,11 +54,11 @@ MUTATIONS = [
                     "self.served_context() or 1 << 62)",
                     "            over = None"),)),
     Mutation("capacity-audit", "start-up audit clamps context to the real pool (I5)",
-             "services/capacity.py", "    if configured_context <= pool_capacity_tokens:",
+             "services/protocol/capacity.py", "    if configured_context <= pool_capacity_tokens:",
              "    if True:",
              (ISO + "test_admission_guards.py::test_capacity_audit_clamps_to_the_real_pool",)),
     Mutation("decode-gate", "decode refuses what its pool/context cannot hold",
-             "services/capacity.py",
+             "services/protocol/capacity.py",
              '    """Why a decode worker cannot ever hold this request ("" when it can)."""\n',
              '    """Why a decode worker cannot ever hold this request ("" when it can)."""\n'
              '    return ""\n',
@@ -126,7 +126,7 @@ MUTATIONS = [
              "            return\n",
              (ISO + "test_late_write.py::test_late_frames_never_land_in_the_next_lease",)),
     # A slot that already failed (deadline, duplicate connection) while a posted UCX receive
-    # into its pages is still in flight: fence() must wait for that write (issue 14).
+    # into its pages is still in flight: fence() must wait for that write.
     Mutation("fence-inflight", "fence waits for a failed slot's write in flight (late write)",
              "transports/receiver.py",
              "            slot = self._draining.get(key) or self._quarantined.get(key)",
@@ -218,9 +218,9 @@ MUTATIONS = [
              "self.lengths)",
              "return DecodeAttention.over_pool(tensor, self.page_tokens, "
              "[self.gather[-1]] * len(self.gather), self.lengths)",
-             ("tests/engine/test_engine_isolation.py::"
+             ("tests/engine/test_isolation.py::"
               "test_paged_decode_logits_bits_equal_reference_alone_and_batched",
-              "tests/engine/test_engine_isolation.py::test_disaggregated_equals_reference")),
+              "tests/engine/test_isolation.py::test_disaggregated_equals_reference")),
     # The native K/V append writes through raw addresses: each row's must be its own slot.
     Mutation("native-kv-append", "a decode row's K and V land in its own request's slot "
              "(I3)",
@@ -231,7 +231,7 @@ MUTATIONS = [
               "test_the_k_v_append_targets_are_each_rows_own_slot",
               "tests/engine/test_native_pointwise.py::"
               "test_a_decode_step_writes_only_its_rows_own_slots",
-              "tests/engine/test_engine_isolation.py::"
+              "tests/engine/test_isolation.py::"
               "test_paged_decode_logits_bits_equal_reference_alone_and_batched")),
     Mutation("native-linear-rows", "a decode row's matmul outputs are its own row's (I4: "
              "no request gets another's values)",
@@ -240,7 +240,7 @@ MUTATIONS = [
              "out[(g * x_rows + b) * n + j0 + a] = sums[a * x_rows];",
              ("tests/engine/test_native_linear.py::"
               "test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads",
-              "tests/engine/test_engine_isolation.py::"
+              "tests/engine/test_isolation.py::"
               "test_paged_decode_logits_bits_equal_reference_alone_and_batched")),
     # Prefill's Release and the gateway's Abort both free decode at once: remove both.
     Mutation("release-on-reject", "a rejection on one side frees the other at once (I6)",
@@ -254,12 +254,12 @@ MUTATIONS = [
              more=(("gateway/mesh.py", "            if not sub_state.finished:",
                     "            if False:"),)),
     Mutation("ticket-signature", "tickets are HMAC-signed by admission",
-             "services/tickets.py",
+             "services/protocol/tickets.py",
              "        if not hmac.compare_digest(expected, ticket.signature):",
              "        if False:",
-             ("tests/unit/test_tickets.py",
+             ("tests/protocol/test_tickets.py",
               ISO + "test_admission_guards.py::test_forged_ticket_is_refused_by_decode")),
-    # Issue 15: the authenticated data plane, the dispatch grant, robust listeners.
+    # The authenticated data plane, the dispatch grant, robust listeners.
     Mutation("frame-mac", "every data-plane header is MACed under the reservation's key; "
              "a frame without it changes nothing", "transports/receiver.py",
              "        if slot is not None and not mac_ok(h, slot.target.key):",
@@ -279,9 +279,9 @@ MUTATIONS = [
              "transports/core.py", "        if length > allowed:", "        if False:",
              ("tests/transports/test_auth.py::test_ucx_drains_no_more_than_live_transfers_allow",)),
     Mutation("dispatch-grant", "prefill refuses a dispatch whose prompt or reservation "
-             "differs from what admission granted", "services/tickets.py",
+             "differs from what admission granted", "services/protocol/tickets.py",
              "    if not hmac.compare_digest(expected, dispatch.grant):", "    if False:",
-             ("tests/unit/test_tickets.py",)),
+             ("tests/protocol/test_tickets.py",)),
     Mutation("accept-loop", "the TCP accept loop survives accept errors (EMFILE)",
              "transports/tcp.py", "            except OSError as exc:\n"
              "                self.stats.accept_errors += 1",
@@ -302,7 +302,7 @@ MUTATIONS = [
              ("tests/transports/test_listener.py::"
               "test_idle_connection_flood_is_bounded_in_count_and_time",)),
     Mutation("ready-data-plane", "a worker whose data plane cannot accept reports not ready",
-             "services/worker.py",
+             "services/runtime/worker.py",
              "        return bool(getattr(self.transport, \"accepting\", True))",
              "        return True",
              ("tests/transports/test_listener.py::"
@@ -314,7 +314,7 @@ MUTATIONS = [
              (ISO + "test_worker_loss.py::test_decode_killed_mid_stream",)),
     Mutation("abort-on-disconnect", "a client that leaves aborts its request across the mesh",
              "gateway/mesh.py", "            if not sub_state.finished:", "            if False:",
-             ("tests/gateway/test_gateway_disconnect.py",)),
+             ("tests/gateway/test_disconnect.py",)),
     Mutation("prefix-salt", "prefix-cache keys are per tenant salt (I7)",
              "kvstore/prefix_cache.py",
              "        root = self._roots.get(cache_salt) if cache_salt else None",
@@ -330,7 +330,7 @@ MUTATIONS = [
     Mutation("tail-zero", "no earlier tenant's KV leaves prefill in a last page's tail",
              "services/prefill/service.py",
              "        pool.page_tensor(lease, n_pages - 1)[:, :, tail:].zero_()",
-             "        pass", ("tests/unit/test_prefill_tail.py",)),
+             "        pass", ("tests/prefill/test_tail.py",)),
     # Publishing first (as before) loses the lease when the publish raises.
     Mutation("release-before-telling", "decode frees a lease before it publishes the end",
              "services/decode/service.py",
@@ -339,67 +339,67 @@ MUTATIONS = [
              "m.tokens_subject(dreq.request_id), event or m.StreamFailed("
              "request_id=dreq.request_id, outcome=outcome))\n"
              "        self.scheduler.discard(dreq)\n",
-             ("tests/unit/test_release_before_telling.py",)),
+             ("tests/decode/test_release_before_telling.py",)),
     Mutation("quarantine", "a lease whose fence cannot finish never returns to the free list",
              "services/decode/service.py",
              "            self.pool.quarantine(lease, outcome.label)",
              "            self.pool.release(lease, outcome.label)",
-             ("tests/unit/test_release_before_telling.py::"
+             ("tests/decode/test_release_before_telling.py::"
               "test_a_lease_whose_fence_cannot_finish_is_quarantined_not_reused",)),
     Mutation("unreachable-set-aside", "admission routes around a worker prefill cannot reach",
              "services/admission/registry.py",
              "                   if e.beat.role is role and not self.is_set_aside(e.beat, now)]",
              "                   if e.beat.role is role]",
-             ("tests/unit/test_registry_set_aside.py",)),
+             ("tests/admission/test_registry.py",)),
     Mutation("dev-credentials", "a production start refuses the dev secret and dev keys",
-             "services/config.py", "    if found and not allowed:", "    if False:",
-             ("tests/mesh/test_launcher.py::test_dev_credentials_are_refused_unless_allowed",)),
+             "services/runtime/config.py", "    if found and not allowed:", "    if False:",
+             ("tests/ops/test_launcher.py::test_dev_credentials_are_refused_unless_allowed",)),
     Mutation("gateway-context", "an over-context prompt is refused before any control "
              "message (no submit over NATS's max payload)", "gateway/app.py",
              "            over = context_rejection(len(ids), max_tokens, "
              "self.served_context() or 1 << 62)",
-             "            over = None", ("tests/gateway/test_gateway_long_prompt.py",)),
-    Mutation("nats-auth", "pdmesh up's NATS requires credentials", "services/launcher.py",
+             "            over = None", ("tests/gateway/test_long_prompt.py",)),
+    Mutation("nats-auth", "pdmesh up's NATS requires credentials", "services/ops/launcher.py",
              'nats_server_binary(), "-c", str(conf), "-a",', 'nats_server_binary(), "-a",',
              (ISO + "test_nats_auth.py::test_nats_refuses_a_client_without_credentials",
               ISO + "test_nats_auth.py::test_a_reader_cannot_watch_the_control_plane")),
     Mutation("nats-permissions", "each NATS identity may use only its role's subjects",
-             "services/natsauth.py",
+             "services/ops/natsauth.py",
              "                     f\"      permissions: {{ {', '.join(perms)} }} }}\")",
              "                     f\"      }}\")",
              (ISO + "test_nats_auth.py::test_a_reader_cannot_watch_the_control_plane",
               ISO + "test_nats_auth.py::"
               "test_the_gateway_cannot_dispatch_and_no_one_forges_a_heartbeat")),
     Mutation("route-auth", "a NATS node without the route password gets no route",
-             "services/natsauth.py",
+             "services/ops/natsauth.py",
              "            f\"  authorization {{ user: {json.dumps(ROUTE_USER)}, \"\n"
              "            f\"password: {json.dumps(password)} }}\\n\"\n",
              "", (ISO + "test_nats_auth.py::test_cluster_routes_need_the_route_password",)),
     Mutation("tls-first", "a service with a CA never sends its password in clear",
-             "services/runtime.py", "tls=tls, tls_handshake_first=tls is not None,",
+             "services/runtime/service.py", "tls=tls, tls_handshake_first=tls is not None,",
              "tls=tls, tls_handshake_first=False,",
-             ("tests/unit/test_certs.py::test_a_service_with_a_ca_never_talks_to_nats_in_clear",)),
+             ("tests/ops/test_certs.py::test_a_service_with_a_ca_never_talks_to_nats_in_clear",)),
     Mutation("colocated-token-range", "a colocated worker rechecks token ids like prefill",
              "services/colocated/service.py",
              "        if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:",
-             "        if False:", ("tests/unit/test_colocated_gate.py",)),
+             "        if False:", ("tests/colocated/test_gate.py",)),
     Mutation("progress-liveness", "decode frees a reservation whose prefill stopped progressing",
              "services/decode/service.py",
              "            elif now - dreq.progress_at > self.cfg.prefill_stall_s:",
              "            elif False:",
-             ("tests/unit/test_progress_liveness.py::"
+             ("tests/decode/test_progress_liveness.py::"
               "test_a_reservation_without_progress_is_freed_after_the_stall_limit",)),
     Mutation("stream-read-check", "a streamed send reads a page only after the pool's read check",
              "services/prefill/service.py",
              "    pool.check_readable(lease, num_tokens)\n    if first_token is None:",
              "    if first_token is None:",
-             ("tests/unit/test_prefill_tail.py::"
+             ("tests/prefill/test_tail.py::"
               "test_a_streamed_send_gets_no_page_before_the_pool_says_it_is_written",)),
     Mutation("abort-stops-prefill", "an abort stops the prefill at the next chunk boundary",
              "services/prefill/service.py",
              "        if life.is_terminal or not job.windows:",
              "        if not job.windows:",
-             ("tests/mesh/test_long_prompts.py::"
+             ("tests/prefill/test_long_prompts.py::"
               "test_an_abort_mid_prefill_stops_it_within_a_chunk_and_frees_the_leases",),
              # The same check after each chunk's compute: removed with it.
              more=(("services/prefill/service.py",

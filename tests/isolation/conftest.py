@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.isolation.meshstats import assert_pools_clean
-from tests.meshproc import Mesh
+from tests.support.meshproc import Mesh
+from tests.support.meshstats import assert_pools_clean
 
 
 @pytest.fixture

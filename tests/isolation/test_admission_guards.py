@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from pdmesh.services import messages as m
-from tests.isolation.meshstats import counter, heartbeats, worker_stats
-from tests.meshproc import Mesh
-from tests.oracle import expected_text
+from pdmesh.services.protocol import messages as m
+from tests.support.meshproc import Mesh
+from tests.support.meshstats import counter, heartbeats, worker_stats
+from tests.support.oracle import expected_text
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.mesh, pytest.mark.slow]
 
 WORK_COUNTERS = [(m.Role.DECODE, "reservations"), (m.Role.DECODE, "transfers"),
                  (m.Role.PREFILL, "dispatches"), (m.Role.PREFILL, "bootstraps"),
@@ -87,7 +87,7 @@ def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
     import msgspec
     import nats
 
-    from pdmesh.services.tickets import sign
+    from pdmesh.services.protocol.tickets import sign
 
     decode = next(s for s in worker_stats(mesh.nats_url).values() if s.role is m.Role.DECODE)
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import nats
 
-from pdmesh.services import messages as m
-from pdmesh.services import natsauth
 from pdmesh.services.admission.service import AdmissionService
-from pdmesh.services.config import resolve
-from tests.meshproc import NatsServer
+from pdmesh.services.ops import natsauth
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.runtime.config import resolve
+from tests.support.meshproc import NatsServer
 
 SMALL_PAYLOAD = 65536
 

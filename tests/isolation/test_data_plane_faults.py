@@ -8,12 +8,12 @@ import time
 import pytest
 
 from pdmesh.loadtest.client import SSEParser
-from pdmesh.services import messages as m
-from tests.isolation.meshstats import counter, worker_stats
-from tests.meshproc import Mesh
-from tests.oracle import expected_text
+from pdmesh.services.protocol import messages as m
+from tests.support.meshproc import Mesh
+from tests.support.meshstats import counter, worker_stats
+from tests.support.oracle import expected_text
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.mesh, pytest.mark.slow]
 
 # A prompt of several pages (16 tokens each) so reorder/drop/truncate have frames to hit.
 PROMPT = "the quick brown fox jumps over the lazy dog; " * 4

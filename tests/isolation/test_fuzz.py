@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdmesh.gateway.schema import ApiError, parse_chat, parse_completion
-from pdmesh.services import messages as m
+from pdmesh.services.protocol import messages as m
 from pdmesh.transports.base import ExpectedTransfer, TransportStats
 from pdmesh.transports.framing import HEADER_SIZE, FrameError, Kind, decode_header, encode_header
 from pdmesh.transports.receiver import ReceiveTable

@@ -1,5 +1,5 @@
 """The control plane is authenticated: `pdmesh up`'s NATS refuses clients without
-credentials, and each identity may use only the subjects of its role (services/natsauth.py).
+credentials, and each identity may use only the subjects of its role (services/ops/natsauth.py).
 
 Threats: an outsider who reaches the NATS port reads every request's control messages
 (reservations, page ids, data-plane addresses) or ends anyone's request; a compromised
@@ -24,11 +24,11 @@ import nats.aio.msg
 import nats.errors
 import pytest
 
-from pdmesh.services import messages as m
-from pdmesh.services import natsauth
-from pdmesh.services.launcher import free_port, nats_server_binary
-from tests.isolation.meshstats import heartbeats, worker_stats
-from tests.meshproc import Mesh, NatsServer
+from pdmesh.services.ops import natsauth
+from pdmesh.services.ops.launcher import free_port, nats_server_binary
+from pdmesh.services.protocol import messages as m
+from tests.support.meshproc import Mesh, NatsServer
+from tests.support.meshstats import heartbeats, worker_stats
 
 
 class Client:
@@ -51,6 +51,7 @@ class Client:
         return [e for e in self.errors if "permissions violation" in e.lower()]
 
 
+@pytest.mark.mesh
 def test_nats_refuses_a_client_without_credentials(mesh: Mesh) -> None:
     assert mesh.run_dir is not None, "pdmesh up runs its embedded NATS with auth"
 
@@ -65,6 +66,7 @@ def test_nats_refuses_a_client_without_credentials(mesh: Mesh) -> None:
         info.value, nats.errors.NoServersError), repr(info.value)
 
 
+@pytest.mark.mesh
 def test_a_reader_cannot_watch_the_control_plane(mesh: Mesh) -> None:
     """The tools identity may read heartbeats and stats, not `>`: subscribing to every
     subject is refused, and a request served meanwhile shows it nothing."""
@@ -92,6 +94,7 @@ def test_a_reader_cannot_watch_the_control_plane(mesh: Mesh) -> None:
     assert not seen, seen
 
 
+@pytest.mark.mesh
 def test_the_gateway_cannot_dispatch_and_no_one_forges_a_heartbeat(mesh: Mesh) -> None:
     prefill = next(w for w in worker_stats(mesh.nats_url).values()
                    if w.role is m.Role.PREFILL)

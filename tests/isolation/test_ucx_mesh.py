@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.isolation.meshstats import assert_pools_clean
-from tests.meshproc import Mesh, mesh_env, run_mesh
-from tests.oracle import expected_text
+from tests.support.meshproc import Mesh, mesh_env, run_mesh
+from tests.support.meshstats import assert_pools_clean
+from tests.support.oracle import expected_text
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.mesh, pytest.mark.slow]
 
 _NO_UCXX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
                               reason="ucxx is not importable")

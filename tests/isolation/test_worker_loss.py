@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import pytest
 
 from pdmesh.loadtest.client import SSEParser
-from pdmesh.services import messages as m
-from tests.isolation.meshstats import assert_pools_clean, by_role, query_stats, worker_stats
-from tests.meshproc import Mesh, NatsServer, mesh_env, run_mesh
-from tests.oracle import expected_text
+from pdmesh.services.protocol import messages as m
+from tests.support.meshproc import Mesh, NatsServer, mesh_env, run_mesh
+from tests.support.meshstats import assert_pools_clean, by_role, query_stats, worker_stats
+from tests.support.oracle import expected_text
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.mesh, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from tests.meshproc import REPO
+from tests.support.meshproc import REPO
 
 
 @pytest.mark.slow
 def test_bench_disagg_reports_ratio_and_medians_for_each_length() -> None:
-    res = subprocess.run([sys.executable, "-m", "pdmesh.services.cli", "bench", "disagg",
+    res = subprocess.run([sys.executable, "-m", "pdmesh.services.ops.cli", "bench", "disagg",
                           "--models", "tiny", "--lengths", "64,600", "--runs", "1",
                           "--budget-s", "300", "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=600, check=False)
@@ -39,7 +39,7 @@ def test_bench_disagg_reports_ratio_and_medians_for_each_length() -> None:
 
 def test_bench_disagg_refuses_bad_arguments() -> None:
     for args in (["--models", "gpt5"], ["--runs", "0"], ["--lengths", "abc"]):
-        res = subprocess.run([sys.executable, "-m", "pdmesh.services.cli", "bench", "disagg",
+        res = subprocess.run([sys.executable, "-m", "pdmesh.services.ops.cli", "bench", "disagg",
                               *args], cwd=REPO, capture_output=True, text=True, timeout=60,
                              check=False)
         assert res.returncode == 2, (args, res.stderr)

@@ -19,16 +19,16 @@ import pytest
 from aiohttp import web
 
 from pdmesh.loadtest.client import Reply
-from pdmesh.loadtest.oracle import Expected, reference
-from pdmesh.loadtest.soak import EXIT_CORRECTNESS, EXIT_OK, main
-from pdmesh.loadtest.soak_verdict import Tally, judge, leaked_markers
-from pdmesh.loadtest.soak_workload import (
+from pdmesh.loadtest.soak.run import EXIT_CORRECTNESS, EXIT_OK, main
+from pdmesh.loadtest.soak.verdict import Tally, judge, leaked_markers
+from pdmesh.loadtest.soak.workload import (
     CHAT_TEMPLATE_OVERHEAD,
     DEFAULT_FAULTS,
     SoakWorkload,
     make_tenants,
     plan_request,
 )
+from pdmesh.services.engine.oracle import Expected, reference
 
 KEYS = ["sk-dev-alice", "sk-dev-bob", "sk-dev-carol"]
 TENANTS = tuple(make_tenants(KEYS, seed=0))
@@ -219,8 +219,8 @@ def test_tally_counts_and_fails_on_violations():
 def test_pool_summary_counts_leaked_leases_and_integrity_failures():
     from types import SimpleNamespace
 
-    from pdmesh.loadtest.soak_pool import _summary
-    from pdmesh.services.messages import Role
+    from pdmesh.loadtest.soak.pool import _summary
+    from pdmesh.services.protocol.messages import Role
 
     def row(worker, role, leases, ok, stats=True):
         beat = SimpleNamespace(worker_id=worker, role=role)
@@ -376,7 +376,7 @@ def fault_mesh(request):
     if mesh is not None and _faults_honoured(mesh):
         yield mesh
         return
-    from tests.meshproc import mesh_env, run_mesh
+    from tests.support.meshproc import mesh_env, run_mesh
 
     with run_mesh("--kv-tokens", "4096", env=mesh_env(PDMESH_ALLOW_FAULTS="1",
                                                       PDMESH_FAULTS="request_faults")) as own:
@@ -384,6 +384,7 @@ def fault_mesh(request):
         yield own
 
 
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_soak_on_the_real_mesh(fault_mesh, tmp_path):
     t0 = time.monotonic()

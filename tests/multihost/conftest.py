@@ -13,20 +13,21 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.multihost.lab import Lab
-from tests.multihost.netns import probe
+from tests.support.lab import Lab
+from tests.support.netns import probe
 
 ENABLED = os.environ.get("PDMESH_MULTIHOST") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if ENABLED:
-        return
     skip = pytest.mark.skip(reason="multi-host lab (root, network namespaces): "
                                    "run `make test-multihost`")
     for item in items:
         if "tests/multihost/" in item.nodeid and {"lab", "mesh"} & set(item.fixturenames):
-            item.add_marker(skip)
+            item.add_marker(pytest.mark.multihost)
+            item.add_marker(pytest.mark.mesh)
+            if not ENABLED:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="module", params=["tcp", "ucx"])

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdmesh.services import natsauth
-from tests.multihost.lab import NATS_PORT, SERVICES, Lab
-from tests.multihost.netns import Host
+from pdmesh.services.ops import natsauth
+from tests.support.lab import NATS_PORT, SERVICES, Lab
+from tests.support.netns import Host
 
 ROLE_FILES = {"control": ("admission", "gateway"), "prefill": ("prefill",),
               "decode": ("decode",)}

@@ -26,8 +26,8 @@ import time
 import nats
 import pytest
 
-from pdmesh.services import certs
-from tests.multihost.lab import (
+from pdmesh.services.ops import certs
+from tests.support.lab import (
     HOSTS,
     NATS_PORT,
     SERVICES,
@@ -36,7 +36,7 @@ from tests.multihost.lab import (
     Lab,
     Stream,
 )
-from tests.oracle import expected_text
+from tests.support.oracle import expected_text
 
 pytestmark = [pytest.mark.slow]
 
@@ -44,8 +44,7 @@ KEYS = ("sk-dev-alice", "sk-dev-bob", "sk-dev-carol")  # three tenants
 DECODE_H3 = ["decode-0", "decode-1"]
 DECODE_H4 = ["decode-2"]
 # Scenario 3's streams: long enough to outlast opening them and the cut on a fast engine
-# (1,200 once ran out before the cut in CI after session 8's faster decode; a lone tiny
-# stream decodes ~250 tokens/s here). Four of them must fit one decode worker's KV_TOKENS.
+# (a lone tiny stream decodes ~250 tokens/s on 2 cores). Four of them must fit one decode worker's KV_TOKENS.
 STREAM_TOKENS = 2500
 
 
@@ -175,8 +174,8 @@ def test_unreachable_data_address_is_caught_and_left_out_of_routing(mesh: Lab) -
         caught = None
         # Bounded: until admission picks the bad worker once. Equal idle decode workers
         # share requests by a per-request rendezvous order, so with four of them each
-        # request misses the bad one with p = 3/4: 12 tries missed it 3 % of the time
-        # (seen once in session 6), 40 miss it with p < 1e-5.
+        # request misses the bad one with p = 3/4: 12 tries would miss it 3 % of the
+        # time, 40 miss it with p < 1e-5.
         for i in range(40):
             t0 = time.monotonic()
             status, body = mesh.complete(f"probe {i}", 4, timeout=30)
@@ -219,7 +218,7 @@ def _wait_routable(lab: Lab, worker_id: str, timeout_s: float = 10) -> None:
 # After the link returns the host must be routed to again. (This once failed for a reason
 # outside the network: admission broke ties between equal idle decode workers by worker id,
 # so sequential requests on an idle mesh all went to decode2; see
-# tests/unit/test_admission_policy.py::test_equal_idle_workers_share_the_requests.)
+# tests/admission/test_policy.py::test_equal_idle_workers_share_the_requests.)
 def test_decode_host_cut_off_mid_stream(mesh: Lab) -> None:
     streams: dict[str, list[Stream]] = {w: [] for w in DECODE_H3 + DECODE_H4}
     prompts: dict[str, str] = {}

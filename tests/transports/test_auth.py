@@ -1,4 +1,4 @@
-"""The data plane authenticates every frame (issue 15): a sender without the reservation's
+"""The data plane authenticates every frame: a sender without the reservation's
 key can neither write a byte into its pages nor end it; a receiver cannot make the sender
 allocate what a reply header announces."""
 
@@ -10,7 +10,6 @@ import socket
 import uuid
 
 import pytest
-from transport_cases import SECRET, make_case
 
 from pdmesh.transports import Reason, TransferError, make_transport
 from pdmesh.transports.framing import (
@@ -21,6 +20,7 @@ from pdmesh.transports.framing import (
     mac_ok,
     transfer_key,
 )
+from tests.support.transport_cases import SECRET, make_case
 
 
 def test_transfer_key_binds_secret_reservation_and_epoch():

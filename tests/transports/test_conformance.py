@@ -13,19 +13,10 @@ import uuid
 
 import numpy as np
 import pytest
-from transport_cases import make_case
 
 from pdmesh.transports import POISON_BYTE, FaultPlan, Reason, TransferError
 from pdmesh.transports.framing import HEADER_SIZE
-
-
-def assert_untouched_or_poisoned(dst, snapshot, err: TransferError, page_ids) -> None:
-    poisoned = set(err.pages_poisoned)
-    for index, page_id in enumerate(page_ids):
-        if page_id in poisoned:
-            assert (dst.array[index] == POISON_BYTE).all(), f"page {page_id} not poisoned"
-        else:
-            assert (dst.array[index] == snapshot[index]).all(), f"page {page_id} touched"
+from tests.support.transport_cases import assert_untouched_or_poisoned, make_case
 
 
 async def run_failing(pair, faults=None, plan_changes=None, target_changes=None,

@@ -11,8 +11,6 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import HAVE_UCX, PROGRESS_S
-from transport_cases import make_case
 
 from pdmesh.transports import (
     ExpectedTransfer,
@@ -35,6 +33,8 @@ from pdmesh.transports.framing import (
     transfer_key,
 )
 from pdmesh.transports.receiver import ReceiveTable
+from tests.support.transport_cases import make_case
+from tests.transports.conftest import HAVE_UCX, PROGRESS_S
 
 
 def test_deferred_frames_carry_no_checksum_and_the_commit_covers_every_page():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from transport_cases import make_case
 
 from pdmesh.transports import (
     FaultInjectingTransport,
@@ -15,6 +14,7 @@ from pdmesh.transports import (
 )
 from pdmesh.transports.core import Cut, Delay, Frame
 from pdmesh.transports.framing import HEADER_SIZE
+from tests.support.transport_cases import make_case
 
 PROGRESS_S = 0.5
 

@@ -1,6 +1,6 @@
 """Fence means fence (I3), including while a write the receiver accepted is still in flight.
 
-The race (issue 14): a slot fails (transfer deadline, or a frame for the same reservation
+The race: a slot fails (transfer deadline, or a frame for the same reservation
 on a second connection) while a posted UCX receive into one of its pages is in flight.
 If `fence()` then returns at once, decode frees the pages, the LIFO pool hands them to the
 next request, and the late receive (plus the deferred poisoning) lands in that request's
@@ -27,7 +27,6 @@ import uuid
 
 import numpy as np
 import pytest
-from transport_cases import make_case
 
 from pdmesh.transports import (
     POISON_BYTE,
@@ -42,6 +41,7 @@ from pdmesh.transports import (
 )
 from pdmesh.transports.framing import Kind, decode_header, encode_header, reservation_bytes
 from pdmesh.transports.receiver import ReceiveTable
+from tests.support.transport_cases import make_case
 
 NEXT_LEASE = 0x22  # what the next owner of the pages writes into them
 
@@ -215,7 +215,7 @@ async def _round(rng: random.Random, receiver, sender, other, address, src, dst)
     stall = rng.uniform(0.0, 0.02)
     # A payload held after its header, a frame delayed, or no fault at all (the production
     # send path: UCX pipelined, adjacent pages coalesced into one message), then sent all
-    # at once or streamed: pages made final in random steps (issue 16), or a producer
+    # at once or streamed: pages made final in random steps, or a producer
     # that gives up part-way.
     fault = rng.choice((FaultPlan(stall_payload={frame: stall}),
                         FaultPlan(delay={frame: stall}), None))
@@ -232,7 +232,7 @@ async def _round(rng: random.Random, receiver, sender, other, address, src, dst)
     else:
         # The transfer ends by the receiver's deadline at the latest (its own bound; the
         # sender's steps are bounded too, but in sequence: hello 1.5 s, then 0.5 s a
-        # step). A fixed 2 s here failed once on a loaded machine (nixl, session 6).
+        # step), so a fixed bound would fail on a loaded machine.
         await _quietly(asyncio.wait_for(asyncio.shield(fut), deadline + 1.0))
         await receiver.fence(rid)
     committed = fut.done() and not fut.cancelled() and fut.exception() is None

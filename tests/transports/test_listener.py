@@ -1,4 +1,4 @@
-"""Robust listeners (issue 15): accept errors never end the accept loop, unbound inbound
+"""Robust listeners: accept errors never end the accept loop, unbound inbound
 connections are bounded in number and in time, and the receiver's `accepting` flag (what
 a worker's /ready and heartbeat report) follows whether it can accept."""
 
@@ -12,16 +12,16 @@ import socket
 import subprocess
 import sys
 
-from transport_cases import make_case
-
 from pdmesh.transports import make_transport
+from tests.support.transport_cases import make_case
 
-HERE = pathlib.Path(__file__).parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SUPPORT = ROOT / "tests" / "support"
 
 
 def test_accept_loop_survives_running_out_of_file_descriptors():
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
-    proc = subprocess.run([sys.executable, str(HERE / "emfile_process.py")], env=env,
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(SUPPORT / "emfile_process.py")], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -93,9 +93,9 @@ async def test_worker_reports_not_ready_while_its_data_plane_cannot_accept(nats_
     import aiohttp
     import nats
 
-    from pdmesh.services import messages as m
-    from pdmesh.services.config import resolve
     from pdmesh.services.decode.service import DecodeService
+    from pdmesh.services.protocol import messages as m
+    from pdmesh.services.runtime.config import resolve
 
     cfg = resolve("decode", {}, {"PDMESH_WORKER_ID": "decode-ready", "PDMESH_KV_TOKENS": "1024",
                                  "PDMESH_NATS_URL": nats_server.url, "PDMESH_HTTP_PORT": "0",

@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from conftest import PROGRESS_S
-from transport_cases import make_case
-
 from pdmesh.transports import make_transport
 from pdmesh.transports.core import build_frames, parse_address
 from pdmesh.transports.framing import reservation_bytes
+from tests.support.transport_cases import make_case
+from tests.transports.conftest import PROGRESS_S
 
 PAGES = 32
 PAGE_BYTES = 1024  # 32 frames and the commit: ~35 KB, well within a fresh link's window

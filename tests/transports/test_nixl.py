@@ -18,11 +18,11 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import PROGRESS_S
-from transport_cases import make_case
 
 from pdmesh.transports import Reason, TransferError, make_transport
 from pdmesh.transports.framing import Kind, encode_header, reservation_bytes
+from tests.support.transport_cases import make_case
+from tests.transports.conftest import PROGRESS_S
 
 pytest.importorskip("nixl_cu12", reason="nixl_cu12 is not importable (pip install 'pdmesh[nixl]')")
 
@@ -116,7 +116,7 @@ async def test_a_page_larger_than_staging_is_refused_before_any_write():
 
 def _retired_gauge(transport) -> float:
     """`pdmesh:data_plane_staging_retired` as a worker's /metrics reads it."""
-    from pdmesh.services.worker import DataPlaneCollector
+    from pdmesh.services.runtime.worker import DataPlaneCollector
     families = {f.name: f for f in DataPlaneCollector(transport).collect()}
     return families["pdmesh:data_plane_staging_retired"].samples[0].value
 

@@ -12,13 +12,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import PROGRESS_S
-from transport_cases import Pages
 
 from pdmesh.transports import ExpectedTransfer, Reason, TransferError, TransferPlan
+from tests.support.transport_cases import Pages
+from tests.transports.conftest import PROGRESS_S
 
-PEER = Path(__file__).with_name("peer_process.py")
 ROOT = Path(__file__).resolve().parents[2]
+PEER = ROOT / "tests" / "support" / "transport_peer.py"
 PAGE_BYTES, PAGE_TOKENS, NUM_TOKENS = 256 << 10, 16, 160
 
 

@@ -1,4 +1,4 @@
-"""Streamed send (issue 16): the sender sends each prefill chunk's pages as they become
+"""Streamed send: the sender sends each prefill chunk's pages as they become
 final (`PagesReady`), the commit last; every receiver check stays as it is.
 
 - pages released in steps, with pauses longer than the progress timeout, arrive and commit
@@ -23,9 +23,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import PROGRESS_S
-from test_conformance import assert_untouched_or_poisoned
-from transport_cases import make_case
 
 from pdmesh.transports import (
     POISON_BYTE,
@@ -47,6 +44,8 @@ from pdmesh.transports.framing import (
     reservation_bytes,
 )
 from pdmesh.transports.receiver import ReceiveTable
+from tests.support.transport_cases import assert_untouched_or_poisoned, make_case
+from tests.transports.conftest import PROGRESS_S
 
 DRAFT = 0x3C  # what a page holds before it is final (a chunk still being computed)
 

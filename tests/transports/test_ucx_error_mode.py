@@ -26,16 +26,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_UCX, PROGRESS_S
-from transport_cases import make_case
 
 from pdmesh.transports import make_transport
 from pdmesh.transports.ucx import ERROR_MODE_ENV, data_error_mode
+from tests.support.transport_cases import make_case
+from tests.transports.conftest import HAVE_UCX, PROGRESS_S
 
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx is not importable")]
 
-PEER = Path(__file__).with_name("peer_process.py")
 ROOT = Path(__file__).resolve().parents[2]
+PEER = ROOT / "tests" / "support" / "transport_peer.py"
 
 
 def test_auto_is_none_only_where_every_ucx_transport_survives_a_lost_peer():

@@ -10,12 +10,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_conformance import assert_untouched_or_poisoned
-from transport_cases import make_case
 
 from pdmesh.transports import FaultPlan, TransferError, TransferPlan
 from pdmesh.transports.core import build_frames
 from pdmesh.transports.framing import reservation_bytes
+from tests.support.transport_cases import assert_untouched_or_poisoned, make_case
 
 pytestmark = pytest.mark.ucx
 

@@ -1,4 +1,4 @@
-/* Paged decode attention for pdmesh's CPU engine (issue 17, change 7 in ../README.md).
+/* Paged decode attention for pdmesh's CPU engine.
  *
  * One decode row per request: its query heads attend over the request's own K/V, read
  * where they lie (a page table into the KV pool, or one contiguous cache), with no gather
@@ -92,12 +92,8 @@ static inline void prefetch_block(const float *p, int64_t floats) {
 
 /* While page `pi` computes, ask for the same block `ahead` pages on (and, at the first
  * page, for pages 1 .. ahead - 1 too), a few lines at a time spread over the page's
- * compute (`pf_some` per block of work), not as one burst at the page's start: a burst of
- * 64 prefetches (tiny's 4 KB block) stalled the core on its fill buffers (`perf
- * annotate`: half of the attention's samples on the instruction after a prefetch, on
- * session 9's Xeon). Spread, the attention alone took 12-13 % less time at 512 tokens
- * (tiny and SmolLM2 geometry, 1 and 2 threads, in-process A/B of the two builds). `block`
- * is the storage base plus the block's offset inside a page. */
+ * compute (`pf_some` per block of work), not as one burst at the page's start, which
+ * stalls the core on its fill buffers. `block` is the storage base plus the block's offset inside a page. */
 typedef struct { const float *p; int64_t left; } pf_cursor;
 
 static inline pf_cursor pf_page(const float *block, const int64_t *pages, int64_t pi,

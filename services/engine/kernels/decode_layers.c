@@ -1,4 +1,4 @@
-/* Every layer of a decode step in one call (issue 17, change 12 in ../README.md).
+/* Every layer of a decode step in one call.
  *
  * The same kernels, in the same order, on the same values as the per-layer calls from
  * Python (RMSNorm with the residual add, the fused qkv matmul, RoPE and the K/V append,

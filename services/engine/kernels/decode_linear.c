@@ -1,4 +1,4 @@
-/* Decode matmuls for pdmesh's CPU engine (issue 17, change 8 in ../README.md).
+/* Decode matmuls for pdmesh's CPU engine.
  *
  * out[r][j] = sum_k x[r][k] * w[j][k] for the m rows of one decode step (x [m][k], w
  * [n][k], out [m][n], all row-major and contiguous, fp32).

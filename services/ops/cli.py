@@ -1,0 +1,168 @@
+"""The `pdmesh` command: `up`, `serve <service>`, `check`, `bench <what>`, `loadtest`.
+
+Every failure to start is one clear line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from pdmesh.services.protocol.errors import PdmeshError
+from pdmesh.services.runtime.config import (
+    ALLOW_DEV_ENV,
+    ALLOW_DEV_HELP,
+    SETTINGS,
+    ArgumentParser,
+    add_arguments,
+    check_dev_credentials,
+    dev_credentials,
+    resolve,
+)
+
+SERVE = {
+    "admission": "pdmesh.services.admission.service",
+    "prefill": "pdmesh.services.prefill.service",
+    "decode": "pdmesh.services.decode.service",
+    "colocated": "pdmesh.services.colocated.service",
+    "gateway": "pdmesh.gateway.app",
+}
+BENCH = {
+    "engine": "pdmesh.loadtest.bench.engine",
+    "transport": "pdmesh.loadtest.bench.transport",
+    "admission": "pdmesh.loadtest.bench.admission",
+    "prefix-cache": "pdmesh.loadtest.bench.prefix",
+    "disagg": "pdmesh.loadtest.bench.disagg",
+}
+PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak.run",
+               "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.ops.natsauth",
+               "certs": "pdmesh.services.ops.certs"}
+UP_FLAGS = ("nats_url", "gateway_port", "transport", "model", "mesh_secret", "tenants_file",
+            "max_context", "kv_tokens", "page_tokens", "scrub", "on_capacity_mismatch",
+            "served_model_name", "default_max_tokens", "max_n", "log_level")
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"pdmesh: error: {msg}", file=sys.stderr)
+    return code
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def cmd_serve(role: str, argv: Sequence[str]) -> int:
+    parser = ArgumentParser(prog=f"pdmesh serve {role}")
+    add_arguments(parser)
+    parser.add_argument("--allow-dev-credentials", action="store_true", help=ALLOW_DEV_HELP)
+    args = parser.parse_args(argv)
+    try:
+        cfg = resolve(role, args)
+        allow_dev = args.allow_dev_credentials or os.environ.get(ALLOW_DEV_ENV) == "1"
+        check_dev_credentials(cfg, allow_dev)
+    except PdmeshError as exc:
+        return _fail(str(exc))
+    _setup_logging(cfg.log_level)
+    for what in dev_credentials(cfg):
+        logging.getLogger("pdmesh").warning("%s runs with %s: development only", role, what)
+    try:
+        module = importlib.import_module(SERVE[role])
+        asyncio.run(module.serve(cfg))
+    except PdmeshError as exc:
+        return _fail(str(exc), 1)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_up(argv: Sequence[str]) -> int:
+    # Lazy like every command's module: `pdmesh serve gateway` must not load the launcher.
+    from pdmesh.services.ops.launcher import Launcher, run_up
+
+    parser = ArgumentParser(
+        prog="pdmesh up", description="Run the whole mesh locally: embedded nats-server, "
+        "admission, prefill, decode and gateway, each its own process.")
+    add_arguments(parser, only=UP_FLAGS)
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--quiet", action="store_true", help="do not echo service logs")
+    parser.add_argument("--colocated", action="store_true",
+                        help="baseline mesh: one colocated worker (prefill + decode in one "
+                        "process, no KV transfer) behind the same gateway and admission")
+    parser.add_argument("--allow-dev-credentials", action="store_true", help=ALLOW_DEV_HELP)
+    parser.add_argument("--keep-going", action="store_true",
+                        help="keep the mesh up when one service exits (fault-injection tests "
+                        "kill workers on purpose); default: stop everything")
+    args = parser.parse_args(argv)
+    allow_dev = args.allow_dev_credentials or os.environ.get(ALLOW_DEV_ENV) == "1"
+    try:
+        cfg = resolve("gateway", args)
+        check_dev_credentials(cfg, allow_dev)  # before any process starts, one clear line
+    except PdmeshError as exc:
+        return _fail(str(exc))
+    if args.prefill < 1 or args.decode < 1:
+        return _fail("--prefill and --decode must be at least 1")
+    if args.colocated and (args.prefill != 1 or args.decode != 1):
+        return _fail("--colocated runs one colocated worker; drop --prefill/--decode")
+    env = {}
+    for s in SETTINGS:
+        if s.field in UP_FLAGS and s.field not in ("nats_url", "gateway_port"):
+            env[s.env] = str(getattr(cfg, s.field))
+    if allow_dev:
+        env[ALLOW_DEV_ENV] = "1"
+        for what in dev_credentials(cfg):
+            print(f"pdmesh: --allow-dev-credentials: the mesh runs with {what}; "
+                  "for local development only", flush=True)
+    launcher = Launcher(nats_url=cfg.nats_url, gateway_port=cfg.gateway_port,
+                        prefill=args.prefill, decode=args.decode, env=env, quiet=args.quiet,
+                        keep_going=args.keep_going, colocated=args.colocated)
+    try:
+        return asyncio.run(run_up(launcher))
+    except PdmeshError as exc:
+        return _fail(str(exc), 1)
+
+
+def _dispatch(table: dict[str, str], what: str, argv: Sequence[str]) -> int:
+    module = importlib.import_module(table[what])
+    return int(module.main(list(argv)) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: pdmesh {up,serve,check,bench,loadtest,soak} ...\n"
+             "  up                      run the whole mesh locally (see pdmesh up --help)\n"
+             "  serve <service>         run one service: " + ", ".join(SERVE) + "\n"
+             "  check                   print each worker's configured context vs real pool\n"
+             "  bench <what>            benchmarks: " + ", ".join(BENCH) + "\n"
+             "  loadtest                long-prompt load generator (OpenAI-compatible HTTP)\n"
+             "  soak                    canary workload with oracle checks\n"
+             "  secrets --out DIR       NATS credentials + mesh secret for compose stacks\n"
+             "  certs --out DIR --hosts  dev CA + NATS TLS certificates (multi-host)\n")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        return cmd_up(rest)
+    if cmd == "serve":
+        if not rest or rest[0] not in SERVE:
+            return _fail(f"pdmesh serve needs one of: {', '.join(SERVE)}")
+        return cmd_serve(rest[0], rest[1:])
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCH:
+            return _fail(f"pdmesh bench needs one of: {', '.join(BENCH)}")
+        return _dispatch(BENCH, rest[0], rest[1:])
+    if cmd in PASSTHROUGH:
+        return _dispatch(PASSTHROUGH, cmd, rest)
+    return _fail(f"unknown command {cmd!r}\n{usage}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

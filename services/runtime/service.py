@@ -1,0 +1,357 @@
+"""The service runtime every pdmesh service runs on.
+
+It owns: the NATS connection (reconnecting forever once connected), typed subscriptions
+(one decoder per subscription, bad messages counted and logged, never fatal), the
+service's HTTP port with `/health`, `/ready` and `/metrics`, periodic heartbeats, every
+background task (nothing fire-and-forget: tasks are kept in a set, cancelled and awaited on
+close), and an idempotent drain on SIGTERM/SIGINT.
+
+Lifecycle: STARTING -> READY -> DRAINING -> CLOSED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import signal
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from aiohttp import web
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol.errors import StartupError
+from pdmesh.services.runtime.config import DEV_MESH_SECRET, ServiceConfig
+
+log = logging.getLogger("pdmesh.runtime")
+DRAIN_TIMEOUT_S = 3.0  # flushing NATS on shutdown; a dead server must not hold us longer
+T = TypeVar("T")
+
+
+def counter_total(counter: Counter) -> float:
+    """Sum of a Prometheus counter over all its label sets."""
+    return sum(s.value for metric in counter.collect() for s in metric.samples
+               if s.name.endswith("_total"))
+
+
+class ServiceState(enum.IntEnum):
+    STARTING = 0
+    READY = 1
+    DRAINING = 2
+    CLOSED = 3
+
+
+class ServiceRuntime:
+    """Owns the connection, tasks, HTTP endpoints and lifecycle of one service process."""
+
+    def __init__(self, cfg: ServiceConfig, registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.role = cfg.role
+        self.worker_id = cfg.worker_id
+        self.state = ServiceState.STARTING
+        self.registry = registry or CollectorRegistry()
+        self.nc: NATS = NATS()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._subs: list[Any] = []
+        self._runner: web.AppRunner | None = None
+        self._closed = asyncio.Event()
+        self._drain_lock = asyncio.Lock()
+        self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._reconnect_hooks: list[Callable[[], None]] = []
+        self.http_port = cfg.http_port
+        self.app = web.Application()
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/ready", self._ready)
+        self.app.router.add_get("/metrics", self._metrics)
+        self.bad_messages = Counter(
+            "pdmesh:bad_messages_total", "Control messages that failed to decode",
+            ["service", "subject"], registry=self.registry)
+        self.handler_errors = Counter(
+            "pdmesh:handler_errors_total", "Handlers that raised unexpectedly",
+            ["service", "subject"], registry=self.registry)
+        self.state_gauge = Gauge("pdmesh:service_state", "0 starting, 1 ready, 2 draining, "
+                                 "3 closed", ["service"], registry=self.registry)
+        self.nats_connected = Gauge("pdmesh:nats_connected", "1 while connected to NATS",
+                                    ["service"], registry=self.registry)
+        self._set_state(ServiceState.STARTING)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _set_state(self, state: ServiceState) -> None:
+        self.state = state
+        self.state_gauge.labels(self.role).set(int(state))
+
+    async def start_http(self, extra: Callable[[web.Application], None] | None = None) -> None:
+        """Bind the service's HTTP port; `extra` may add routes (the gateway adds its API)."""
+        if extra is not None:
+            extra(self.app)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.http_host, self.cfg.http_port,
+                           reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise StartupError(self.role, f"HTTP port {self.cfg.http_host}:{self.cfg.http_port}",
+                               exc.strerror or str(exc)) from None
+        sockets = site._server.sockets if site._server else []
+        if sockets:
+            self.http_port = sockets[0].getsockname()[1]
+
+    async def connect(self) -> None:
+        """Connect to NATS, retrying until nats_connect_timeout_s, then reconnect forever."""
+        if self.cfg.mesh_secret == DEV_MESH_SECRET and self.role in ("admission", "prefill",
+                                                                      "decode"):
+            log.warning("%s uses the built-in dev mesh secret; set PDMESH_MESH_SECRET in "
+                        "production", self.role)
+        tls: ssl.SSLContext | None = None
+        if self.cfg.nats_tls_ca:  # multi-host NATS: verify the servers against this CA
+            try:
+                tls = ssl.create_default_context(cafile=self.cfg.nats_tls_ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise StartupError(self.role, f"NATS CA {self.cfg.nats_tls_ca}", str(exc)) \
+                    from exc
+        deadline = time.monotonic() + self.cfg.nats_connect_timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                # nats-py keeps retrying an unreachable server forever with unlimited
+                # reconnects, so the start-up deadline is ours.
+                await asyncio.wait_for(self.nc.connect(
+                    servers=self.cfg.nats_servers, name=f"{self.role}:{self.worker_id}",
+                    user=self.cfg.nats_user or None, password=self.cfg.nats_password or None,
+                    # With a CA: TLS before anything else, so a server (or a man in the
+                    # middle) that does not offer TLS never sees the password in clear.
+                    tls=tls, tls_handshake_first=tls is not None,
+                    # In the order given: a host's own NATS node first (multi-host), the
+                    # others only to fail over to.
+                    dont_randomize=True,
+                    connect_timeout=1, allow_reconnect=True, max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.25, ping_interval=5, max_outstanding_pings=2,
+                    drain_timeout=DRAIN_TIMEOUT_S,
+                    error_cb=self._on_nats_error, disconnected_cb=self._on_disconnect,
+                    reconnected_cb=self._on_reconnect),
+                    max(deadline - time.monotonic(), 0.1))
+                self.nats_connected.labels(self.role).set(1)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure to connect is retried
+                last = exc
+                with contextlib.suppress(Exception):
+                    await self.nc.close()
+                self.nc = NATS()
+                await asyncio.sleep(0.25)
+        raise StartupError(self.role, f"NATS at {', '.join(self.cfg.nats_servers)}",
+                           f"unreachable for {self.cfg.nats_connect_timeout_s:g}s "
+                           f"({type(last).__name__ if last else 'timeout'})")
+
+    async def _on_nats_error(self, exc: Exception) -> None:
+        log.debug("%s: nats error: %r", self.role, exc)
+
+    async def _on_disconnect(self) -> None:
+        self.nats_connected.labels(self.role).set(0)
+        if self.state is ServiceState.READY:
+            log.warning("%s: disconnected from NATS; reconnecting", self.role)
+
+    async def _on_reconnect(self) -> None:
+        self.nats_connected.labels(self.role).set(1)
+        log.warning("%s: reconnected to NATS", self.role)
+        for hook in list(self._reconnect_hooks):
+            try:
+                hook()
+            except Exception:
+                log.exception("%s: reconnect hook failed", self.role)
+
+    def on_reconnect(self, hook: Callable[[], None]) -> None:
+        """Run `hook` (synchronous, quick) after every NATS reconnect."""
+        self._reconnect_hooks.append(hook)
+
+    def mark_ready(self) -> None:
+        self._set_state(ServiceState.READY)
+        log.info("%s %s ready (http :%d)", self.role, self.worker_id, self.http_port)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is ServiceState.READY and self.nc.is_connected
+
+    # -- tasks ----------------------------------------------------------------------------
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Start an owned task: kept until done, cancelled and awaited on close."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: task %s failed: %r", self.role, task.get_name(), task.exception(),
+                      exc_info=task.exception())
+
+    def every(self, interval_s: float, fn: Callable[[], Awaitable[None]], name: str) -> None:
+        """Run `fn` every `interval_s` seconds in an owned task; an exception is logged."""
+
+        async def loop() -> None:
+            while True:
+                try:
+                    await fn()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("%s: periodic %s failed", self.role, name)
+                await asyncio.sleep(interval_s)
+
+        self.spawn(loop(), name)
+
+    # -- messaging ------------------------------------------------------------------------
+    async def subscribe(self, subject: str, typ: type[T],
+                        handler: Callable[[T, Msg], Awaitable[None]], *, queue: str = "",
+                        concurrent: bool = True) -> None:
+        """Subscribe with one typed decoder. Bad input is counted and logged, never fatal.
+
+        `concurrent`: each message is handled in its own owned task (handlers may await).
+        """
+        decoder = m.Decoder(typ)
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                obj = decoder.decode(msg.subject, msg.data)
+            except m.MessageError as exc:
+                self.bad_messages.labels(self.role, subject).inc()
+                log.warning("%s: %s", self.role, exc)
+                return
+            if concurrent:
+                self.spawn(self._guarded(handler, obj, msg, subject), f"handle:{msg.subject}")
+            else:
+                await self._guarded(handler, obj, msg, subject)
+
+        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+
+    async def _guarded(self, handler: Callable[[Any, Msg], Awaitable[None]], obj: Any, msg: Msg,
+                       subject: str) -> None:
+        try:
+            await handler(obj, msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.handler_errors.labels(self.role, subject).inc()
+            log.exception("%s: handler for %s failed", self.role, msg.subject)
+
+    async def serve_stats(self, provider: Callable[[], m.StatsReply],
+                          roles: tuple[str, ...] = ()) -> None:
+        """Answer `stats_subject(role, worker_id)` requests (tests and `pdmesh check`) for
+        this service's role, or for each role it heartbeats as."""
+
+        async def on_msg(msg: Msg) -> None:
+            await self.respond(msg, provider())
+
+        for role in roles or (self.role,):
+            self._subs.append(await self.nc.subscribe(m.stats_subject(role, self.worker_id),
+                                                      cb=on_msg))
+
+    async def publish(self, subject: str, msg: msgspec.Struct,
+                      headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, m.encode(msg), headers=headers)
+
+    async def request(self, subject: str, msg: msgspec.Struct, typ: Any,
+                      timeout_s: float, headers: dict[str, str] | None = None) -> Any:
+        """NATS request/reply with a typed answer (`typ` may be a tagged union); raises
+        TimeoutError / MessageError."""
+        try:
+            reply = await self.nc.request(subject, m.encode(msg), timeout=timeout_s,
+                                          headers=headers)
+        except nats.errors.NoRespondersError:
+            raise TimeoutError(f"no responders on {subject}") from None
+        except nats.errors.TimeoutError:
+            raise TimeoutError(f"no reply on {subject} within {timeout_s:g}s") from None
+        return m.Decoder(typ).decode(subject, reply.data)
+
+    async def respond(self, msg: Msg, reply: msgspec.Struct) -> None:
+        if msg.reply:
+            await msg.respond(m.encode(reply))
+
+    # -- HTTP -----------------------------------------------------------------------------
+    async def _health(self, _req: web.Request) -> web.Response:
+        return web.json_response({"status": self.state.name.lower(), "role": self.role,
+                                  "worker_id": self.worker_id})
+
+    async def _ready(self, _req: web.Request) -> web.Response:
+        ok = self.is_ready and self.extra_ready()
+        return web.json_response({"ready": ok, "state": self.state.name.lower(),
+                                  "nats_connected": self.nc.is_connected},
+                                 status=200 if ok else 503)
+
+    def extra_ready(self) -> bool:
+        """Services may add readiness conditions (the gateway: workers registered)."""
+        return True
+
+    async def _metrics(self, _req: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- shutdown -------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: self.spawn(self.drain(f"signal {s.name}"),
+                                                                  "drain"))
+
+    async def drain(self, why: str = "requested") -> None:
+        """Idempotent: stop taking work, flush NATS, cancel and await every task, close HTTP."""
+        async with self._drain_lock:
+            if self.state >= ServiceState.DRAINING:
+                return
+            log.info("%s %s draining (%s)", self.role, self.worker_id, why)
+            self._set_state(ServiceState.DRAINING)
+        for hook in list(self._drain_hooks):
+            with contextlib.suppress(Exception):
+                await hook()
+        if self.nc.is_connected:
+            # nats-py bounds the drain itself (drain_timeout); cancelling it from outside
+            # leaves an unretrieved gather behind.
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._set_state(ServiceState.CLOSED)
+        self._closed.set()
+
+    def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Register work to run first on drain (send a final heartbeat, close transports)."""
+        self._drain_hooks.append(hook)
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+
+async def run_service(rt: ServiceRuntime, start: Callable[[], Awaitable[None]]) -> None:
+    """Run one service process: drain on SIGTERM/SIGINT, clean up if start fails."""
+    rt.install_signal_handlers()
+    try:
+        await start()
+    except BaseException:
+        await rt.drain("start failed")
+        raise
+    await rt.wait_closed()

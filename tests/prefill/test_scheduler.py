@@ -1,0 +1,61 @@
+"""Prefill queueing: a plain class, tested without NATS or torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from pdmesh.services.prefill.scheduler import PrefillQueue
+
+
+@dataclass(eq=False)
+class Job:
+    request_id: str
+
+
+def test_prefill_queue_starts_first_come_first_served_and_tracks_jobs_until_done() -> None:
+    q: PrefillQueue[Job] = PrefillQueue(max_active=2)
+    a, b, c = Job("a"), Job("b"), Job("c")
+    for j in (a, b, c):
+        q.push(j)
+    assert q.depth == 3 and len(q) == 3 and list(q) == [a, b, c]
+    assert q.next_waiting() is a
+    q.start(a)
+    assert q.next_waiting() is b
+    q.start(b)
+    assert q.next_waiting() is None  # max_active started: c waits
+    assert q.depth == 1 and q.active == 2 and len(q) == 3 and q.get("a") is a
+    with pytest.raises(ValueError):
+        q.start(c)  # next in line, but max_active are started
+    q.stop(a)  # a's compute ended; its KV may still be in flight: still held
+    assert q.get("a") is a and q.active == 1 and q.next_waiting() is c
+    q.done(a)
+    assert q.get("a") is None and len(q) == 2
+    assert q.pop() is c and q.pop() is None
+    q.done(b)
+    q.done(c)
+    assert len(q) == 0 and q.depth == 0 and q.active == 0
+
+
+def test_started_prefills_take_turns_by_chunk() -> None:
+    # A short prompt that arrives behind a long one gets a turn after one chunk of it.
+    q: PrefillQueue[Job] = PrefillQueue(max_active=4)
+    long, short = Job("long"), Job("short")
+    q.push(long)
+    q.start(long)
+    assert [q.turn(), q.turn()] == [long, long]  # alone: every turn
+    q.push(short)
+    q.start(short)
+    assert [q.turn(), q.turn(), q.turn(), q.turn()] == [short, long, short, long]
+    q.stop(short)  # its last chunk ran
+    assert [q.turn(), q.turn()] == [long, long]
+    q.done(long)
+    assert q.turn() is None
+
+
+def test_prefill_queue_refuses_a_second_job_for_one_request() -> None:
+    q: PrefillQueue[Job] = PrefillQueue()
+    q.push(Job("a"))
+    with pytest.raises(ValueError):
+        q.push(Job("a"))

@@ -1,0 +1,181 @@
+"""Test helpers that run the real thing: nats-server and `pdmesh up` as OS processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdmesh.services.ops.launcher import free_port, nats_server_binary
+
+REPO = Path(__file__).resolve().parents[2]
+DEV_KEYS = {"alice": "sk-dev-alice", "bob": "sk-dev-bob", "carol": "sk-dev-carol"}
+
+
+class NatsServer:
+    """A real nats-server on a free loopback port; can be stopped and restarted."""
+
+    def __init__(self, port: int | None = None, config: Path | None = None) -> None:
+        self.port = port or free_port()
+        self.config = config  # a nats-server config file (authorization, TLS), if any
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsServer:
+        config = ["--config", str(self.config)] if self.config else []
+        self.proc = subprocess.Popen([nats_server_binary(), *config, "-a", "127.0.0.1", "-p",
+                                      str(self.port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                import socket
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError("nats-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def http_json(url: str, method: str, body: object | None = None, *, key: str | None = None,
+              timeout: float = 60, raw: bytes | None = None,
+              headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """One HTTP call with a JSON body (or `raw` bytes); (status, parsed JSON reply)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        payload = exc.read()
+        try:
+            return exc.code, json.loads(payload)
+        except ValueError:
+            return exc.code, {"raw": payload.decode(errors="replace")}
+
+
+@dataclass
+class Mesh:
+    """A running `pdmesh up` (each service its own process), as a client sees it."""
+
+    proc: subprocess.Popen[bytes]
+    gateway_port: int
+    nats_url: str = ""  # with the `tools` identity's credentials when NATS requires them
+    nats_plain_url: str = ""  # without credentials (an outsider's view)
+    run_dir: Path | None = None  # `pdmesh up`'s credentials of this run (embedded NATS)
+    model: str = "tiny"
+    max_context: int = 0
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}/v1"
+
+    @property
+    def api_keys(self) -> list[str]:
+        return list(DEV_KEYS.values())
+
+    def child_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                             text=True, check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def http(self, method: str, path: str, body: object | None = None,
+             key: str | None = "sk-dev-alice", timeout: float = 60,
+             raw: bytes | None = None, headers: dict[str, str] | None = None
+             ) -> tuple[int, dict]:
+        return http_json(f"http://127.0.0.1:{self.gateway_port}{path}", method, body,
+                         key=key, timeout=timeout, raw=raw, headers=headers)
+
+    def nats_url_for(self, name: str) -> str:
+        """The NATS URL with the credentials of process `name` (e.g. `admission`,
+        `gateway`, `decode`), or the plain URL when NATS runs without authentication."""
+        if self.run_dir is None:
+            return self.nats_plain_url
+        return (self.run_dir / f"{name}.url").read_text().strip()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout)
+
+
+def mesh_env(**overrides: str) -> dict[str, str]:
+    # Test meshes run with the dev mesh secret and dev tenants, as `make up` does.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING",
+           "PDMESH_ALLOW_DEV_CREDENTIALS": "1"}
+    env.update(overrides)
+    return env
+
+
+@contextlib.contextmanager
+def run_mesh(*args: str, env: dict[str, str] | None = None,
+             ready_timeout: float = 120) -> Iterator[Mesh]:
+    """Run `pdmesh up <args>` (tiny model) and yield once the gateway is ready."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdmesh.services.ops.cli", "up", "--model", "tiny",
+           "--gateway-port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env or mesh_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    mesh = Mesh(proc=proc, gateway_port=port)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            mesh.log.append(line)
+            creds = re.search(r"tools identity: .*\$\(cat (\S+)\)", line)
+            if creds:
+                mesh.run_dir = Path(creds.group(1)).parent
+            found = re.search(r"mesh ready: .* \(NATS (nats://[^)]+)\)", line)
+            if found:
+                mesh.nats_plain_url = found.group(1)
+                mesh.nats_url = (mesh.nats_url_for("tools") if mesh.run_dir
+                                 else mesh.nats_plain_url)
+                ready.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + ready_timeout
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("pdmesh up failed to start:\n" + "\n".join(mesh.log[-60:]))
+    try:
+        status, models = mesh.http("GET", "/v1/models")
+        if status == 200 and models.get("data"):
+            mesh.max_context = int(models["data"][0].get("max_model_len") or 0)
+        yield mesh
+    finally:
+        try:
+            mesh.stop()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
