@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from pdmesh.loadtest import report, tokens
-from pdmesh.loadtest.client import api_base, context_length_of, server_root
+from pdmesh.loadtest.client import BASE_URL_HELP, api_base, context_length_of, server_root
 from pdmesh.loadtest.dataset import sharegpt_requests
 from pdmesh.loadtest.metrics import parse_goodput, parse_metric_names, parse_percentiles
 from pdmesh.loadtest.runner import ARRIVALS
@@ -53,8 +53,8 @@ def _add_length_args(parser: argparse.ArgumentParser, name: str, default: int) -
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdmesh loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
-                   help="the server, as http://host:port or http://host:port/v1")
+    p.add_argument("--base-url", type=api_base, default="http://127.0.0.1:8000/v1",
+                   help=BASE_URL_HELP)
     p.add_argument("--api-key", default=None,
                    help="default: $PDMESH_API_KEY, then $OPENAI_API_KEY")
     p.add_argument("--api-keys", default=None, help="comma-separated keys, one per tenant")
@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each prompt alone too (greedy) and compare every loaded reply")
     p.add_argument("--integrity-phase", choices=("before", "after"), default="before")
     p.add_argument("--label", default=None, help="name of the target in tables and plots")
-    p.add_argument("--compare-base-url", default=None,
-                   help="run the same workload against this server too and compare")
+    p.add_argument("--compare-base-url", type=api_base, default=None,
+                   help="run the same workload against this server too and compare "
+                        "(http://host:port or http://host:port/v1)")
     p.add_argument("--compare-api-keys", default=None, help="default: the same keys")
     p.add_argument("--compare-model", default=None, help="default: the same model")
     p.add_argument("--compare-label", default="colocated")
@@ -190,7 +191,7 @@ async def run(args: argparse.Namespace) -> int:
         "OPENAI_API_KEY")
     keys = _keys(args.api_keys, default_key)
     primary = Target(args.label or ("mesh" if args.compare_base_url else "target"),
-                     api_base(args.base_url), keys, args.model)
+                     args.base_url, keys, args.model)
     info = await discover(primary) if not (args.model and args.context_length) else {}
     model = args.model or info.get("id")
     if not model:
@@ -213,7 +214,7 @@ async def run(args: argparse.Namespace) -> int:
                                             show_progress)}
     targets = [primary]
     if args.compare_base_url and not stop.is_set():
-        other = Target(args.compare_label, api_base(args.compare_base_url),
+        other = Target(args.compare_label, args.compare_base_url,
                        _keys(args.compare_api_keys, None) if args.compare_api_keys else keys,
                        args.compare_model or model)
         targets.append(other)

@@ -352,9 +352,13 @@ async def model_info(base_url: str, api_key: str | None) -> dict:
         return await fetch_model_info(session, base_url, api_key)
 
 
+BASE_URL_HELP = "the server, as http://host:port or http://host:port/v1"
+
+
 def api_base(url: str) -> str:
     """The OpenAI API base of a server given as http://host:port or http://host:port/v1
-    (vllm bench serve's --base-url is the former; OpenAI clients use the latter)."""
+    (vllm bench serve's --base-url is the former; OpenAI clients use the latter). Every
+    tool's `--base-url` is parsed with it, so they all take both forms."""
     url = url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
 

@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         "weights_stream_ms": 1000 * stream_s,
         "decode_vs_dense_b1": results["decode_step_s_b1"] / results["dense_forward_s_b1"],
         "decode_vs_dense_b16": results["decode_step_s_b16"] / results["dense_forward_s_b16"],
-        # "prefill_vs_dense" (attention included): against the bare forward of the prompt, attention included; the matmul-only floor is kept beside it.
+        # "prefill_vs_dense": against the bare forward of the prompt, attention included;
+        # the matmul-only floor is kept beside it.
         "prefill_vs_dense": prefill_s / dense_attention_s,
         "prefill_vs_matmuls": prefill_s / dense_prefill_s,
         "paged_vs_contiguous_b1": results["contiguous_step_s_b1"] / results["decode_step_s_b1"],

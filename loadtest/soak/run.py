@@ -40,7 +40,15 @@ from pdmesh.loadtest.cli import (
     remove_stop_handlers,
     split_list,
 )
-from pdmesh.loadtest.client import ClientConfig, Reply, context_length_of, exchange, model_info
+from pdmesh.loadtest.client import (
+    BASE_URL_HELP,
+    ClientConfig,
+    Reply,
+    api_base,
+    context_length_of,
+    exchange,
+    model_info,
+)
 from pdmesh.loadtest.report import format_block, format_row, write_json
 from pdmesh.loadtest.soak.pool import check_pools
 from pdmesh.loadtest.soak.verdict import Tally, judge
@@ -62,8 +70,8 @@ NAME_WIDTH = 46  # the summary's first column
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdmesh soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
-                   help="the gateway's OpenAI base URL (ends in /v1)")
+    p.add_argument("--base-url", type=api_base, default="http://127.0.0.1:8000/v1",
+                   help=BASE_URL_HELP)
     p.add_argument("--api-keys", default=DEV_KEYS, help="comma list, one tenant per key")
     p.add_argument("--model", default=None, help="model name to send (default: GET /models)")
     p.add_argument("--oracle-model", default="tiny",

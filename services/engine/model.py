@@ -311,11 +311,12 @@ def _chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """Causal attention of a prefill chunk on CPU: query [1, heads, n, hd] holds positions
     start..start+n, keys/values [1, kv_heads, start+n, hd] positions 0..start+n.
 
-    Two flash-attention calls instead of one with an explicit [n, start+n] mask: the earlier chunks' keys, which every row sees (no mask),
-    and the chunk's own keys with `is_causal` (top-left aligned: row i sees keys 0..i of
-    the chunk), whose upper triangle the kernel skips; the two partial results are merged
-    by their log-sum-exp. Every operation's shape depends only on (start, n), never on the batch,
-    so the bits do not either; the reference engine runs this same function."""
+    Two flash-attention calls instead of one with an explicit [n, start+n] mask: the earlier
+    chunks' keys, which every row sees (no mask), and the chunk's own keys with `is_causal`
+    (top-left aligned: row i sees keys 0..i of the chunk), whose upper triangle the kernel
+    skips; the two partial results are merged by their log-sum-exp. Every operation's shape
+    depends only on (start, n), never on the batch, so the bits do not either; the reference
+    engine runs this same function."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     own, own_lse = flash(query, keys[:, :, start:], values[:, :, start:], 0.0, True)
     if start == 0:

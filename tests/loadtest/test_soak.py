@@ -416,3 +416,20 @@ def test_soak_on_the_real_mesh(fault_mesh, tmp_path):
     pool = result["pool_check"]  # aborts, faults and rejections left no lease behind
     assert pool["checked"] and pool["leaked_leases"] == pool["integrity_failures"] == 0, pool
     assert {w["role"] for w in pool["workers"]} == {"prefill", "decode"}
+
+
+def test_soak_and_loadtest_take_the_server_root_or_its_v1_alike(oracle_double, tmp_path):
+    """One URL rule for the tools: `--base-url http://host:port` works as `.../v1` does."""
+    from pdmesh.loadtest.cli import build_parser as loadtest_parser
+    from pdmesh.loadtest.soak.run import build_parser as soak_parser
+
+    for parser in (loadtest_parser(), soak_parser()):
+        for url in ("http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1"):
+            assert parser.parse_args(["--base-url", url]).base_url == "http://127.0.0.1:8000/v1"
+    double = oracle_double()
+    root = double.base_url.removesuffix("/v1")
+    code = main(["--base-url", root, "--duration", "20", "--max-requests", "4",
+                 "--concurrency", "2", "--min-len", "16", "--max-len", "32", "--min-tokens", "2",
+                 "--max-tokens", "3", "--output-dir", str(tmp_path), "--label", "root",
+                 "--quiet"])
+    assert code == EXIT_OK

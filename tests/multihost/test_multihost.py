@@ -44,7 +44,8 @@ KEYS = ("sk-dev-alice", "sk-dev-bob", "sk-dev-carol")  # three tenants
 DECODE_H3 = ["decode-0", "decode-1"]
 DECODE_H4 = ["decode-2"]
 # Scenario 3's streams: long enough to outlast opening them and the cut on a fast engine
-# (a lone tiny stream decodes ~250 tokens/s on 2 cores). Four of them must fit one decode worker's KV_TOKENS.
+# (a lone tiny stream decodes ~250 tokens/s on 2 cores). Four of them must fit one decode
+# worker's KV_TOKENS.
 STREAM_TOKENS = 2500
 
 
