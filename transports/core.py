@@ -712,6 +712,10 @@ class TransportCore(abc.ABC):
             self._listener.close()
         while self._tasks:  # tasks ending may start others (UCX: watching torn-down links)
             tasks = list(self._tasks)
+            # Taken out here, not left to their done callbacks: those run only once the
+            # loop turns, and `gather` of tasks that have all ended returns without a turn
+            # (Python >= 3.12), so a set holding an ended task never emptied (close() spun).
+            self._tasks.clear()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
