@@ -53,11 +53,12 @@ def make_transport(kind: str, host: str = "127.0.0.1", port: int = 0, *,
         return UcxTransport(host, port, **options)
     if kind == "nixl":
         # Lazy too: NIXL (and its bundled UCX) loads only where a NIXL transport is used.
+        from ._nixl_build import INSTALL_HINT
         from .nixl import NixlTransport, nixl_import_error
 
         if nixl_import_error is not None:
             raise RuntimeError(
-                "transport 'nixl' needs NIXL (pip install 'pdmesh[nixl]'); "
+                f"transport 'nixl' needs NIXL ({INSTALL_HINT}); "
                 f"import failed: {nixl_import_error}"
             )
         return NixlTransport(host, port, **options)

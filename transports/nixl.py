@@ -1,9 +1,10 @@
 """NIXL data plane: page bytes by one-sided NIXL WRITE, everything else over a TCP link.
 
-NIXL (`nixl-cu12`, `import nixl_cu12`; the KV-transfer library of vLLM, SGLang and
-Dynamo) moves bytes by one-sided RDMA-style WRITE (over its bundled UCX) into memory the
-target registered. A one-sided write cannot be refused by the receiver, so the sender never
-gets the address of a page. The receiver lends each inbound link a *staging region* of its
+NIXL (`nixl-cu12` / `nixl-cu13`, `import nixl_cu12` / `nixl_cu13`, whichever is installed:
+_nixl_build.py; the KV-transfer library of vLLM, SGLang and Dynamo) moves bytes by
+one-sided RDMA-style WRITE (over its bundled UCX) into memory the target registered. A
+one-sided write cannot be refused by the receiver, so the sender never gets the address of
+a page. The receiver lends each inbound link a *staging region* of its
 own (`staging_bytes`, registered with its NIXL agent); the sender writes page i into slot
 i % (staging_bytes // page_bytes) of it and then sends, on the TCP link, the page's DATA
 header and an 8-byte LANDED token. The receiver runs every check of the TCP transport on
@@ -50,6 +51,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import importlib
 import logging
 import os
 import secrets
@@ -61,6 +63,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._nixl_build import INSTALL_HINT, NIXL_MODULES, nixl_module
 from ._sock import RawSocket, StalledError
 from .base import EventCallback, PagesReady, TransferAck, TransferPlan
 from .core import Cut, Frame, FrameFilter, LoopTurns, reason_of
@@ -79,8 +82,12 @@ from .tcp import TcpTransport
 log = logging.getLogger(__name__)
 
 nixl_import_error: Exception | None = None
+NIXL_MODULE = nixl_module()  # the NIXL build in use (None: none is installed)
 try:
-    from nixl_cu12 import nixl_agent, nixl_agent_config
+    if NIXL_MODULE is None:
+        raise ImportError(f"none of {', '.join(NIXL_MODULES)} is installed ({INSTALL_HINT})")
+    _nixl = importlib.import_module(NIXL_MODULE)
+    nixl_agent, nixl_agent_config = _nixl.nixl_agent, _nixl.nixl_agent_config
 except ImportError as exc:  # pragma: no cover - depends on the install
     nixl_agent = nixl_agent_config = None
     nixl_import_error = exc

@@ -9,11 +9,13 @@ import os
 import pytest
 
 from pdmesh.transports import make_transport
+from pdmesh.transports._nixl_build import INSTALL_HINT, NIXL_MODULES, nixl_module
 
 os.environ.setdefault("UCX_TLS", "tcp")
 HAVE_UCX = (importlib.util.find_spec("ucxx") is not None
             or importlib.util.find_spec("ucp") is not None)
-HAVE_NIXL = importlib.util.find_spec("nixl_cu12") is not None
+HAVE_NIXL = nixl_module() is not None
+NO_NIXL = f"none of {', '.join(NIXL_MODULES)} is importable ({INSTALL_HINT})"
 PROGRESS_S = 0.5
 
 
@@ -23,7 +25,7 @@ def kind(request) -> str:
     if request.param == "ucx" and not HAVE_UCX:
         pytest.skip("ucxx is not importable")
     if request.param == "nixl" and not HAVE_NIXL:
-        pytest.skip("nixl_cu12 is not importable (pip install 'pdmesh[nixl]')")
+        pytest.skip(NO_NIXL)
     return request.param
 
 
