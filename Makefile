@@ -19,11 +19,11 @@ $(VENV)/.installed-run: $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q -e .
 	touch $@
 
-# The UCX extra is chosen after torch is in, to match its CUDA stack (pyproject.toml); the
-# NIXL extra (CUDA 12 builds) comes with the CUDA 12 one.
+# The UCX and NIXL extras are chosen after torch is in, to match its CUDA stack
+# (pyproject.toml): CUDA 13 builds for a CUDA 13 torch, else the CUDA 12 ones.
 $(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q -e ".[$$($(PY) -c 'import torch; print("ucx-cu13" if (torch.version.cuda or "").startswith("13") else "ucx,nixl")')]"
+	$(PIP) install -q -e ".[$$($(PY) -c 'import torch; print("ucx-cu13,nixl-cu13" if (torch.version.cuda or "").startswith("13") else "ucx,nixl")')]"
 	touch $@ $(VENV)/.installed-run
 
 venv: $(VENV)/.installed-run
