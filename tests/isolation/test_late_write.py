@@ -21,14 +21,14 @@ from pdmesh.transports import (
     TransferPlan,
     make_transport,
 )
+from pdmesh.transports._nixl_build import nixl_module
 
 os.environ.setdefault("UCX_TLS", "tcp")
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 KINDS = ["tcp", pytest.param("ucx", marks=[pytest.mark.ucx, pytest.mark.skipif(
     not HAVE_UCX, reason="ucxx is not importable")]),
          pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
-             importlib.util.find_spec("nixl_cu12") is None,
-             reason="nixl_cu12 is not importable")])]
+             nixl_module() is None, reason="no NIXL build is importable")])]
 SPEC = PoolSpec(num_layers=2, num_kv_heads=2, head_dim=16, page_tokens=16, num_pages=8)
 PROMPT = 64  # 4 pages
 

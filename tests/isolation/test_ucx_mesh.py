@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdmesh.transports._nixl_build import INSTALL_HINT, nixl_module
 from tests.support.meshproc import Mesh, mesh_env, run_mesh
 from tests.support.meshstats import assert_pools_clean
 from tests.support.oracle import expected_text
@@ -24,8 +25,7 @@ KINDS = [
     pytest.param("ucx", marks=[pytest.mark.ucx, _NO_UCXX]),
     pytest.param("ucx-shm", marks=[pytest.mark.ucx, _NO_UCXX]),
     pytest.param("nixl", marks=[pytest.mark.nixl, pytest.mark.skipif(
-        importlib.util.find_spec("nixl_cu12") is None,
-        reason="nixl_cu12 is not importable (pip install 'pdmesh[nixl]')")]),
+        nixl_module() is None, reason=f"no NIXL build is importable ({INSTALL_HINT})")]),
 ]
 FAULTS = ["corrupt_payload", "stale_epoch", "stub_transfer", "drop_frame", "commit_first",
           "foreign_reservation"]
