@@ -129,8 +129,9 @@ class PagesReady:
     The transport builds (checksums) and sends page i only after pages [0, i] are final;
     the commit goes after all of them. The producer (prefill) calls `advance(n)` after each
     chunk whose pages [0, n) it will not write again, and `fail(exc)` when it gives up; a
-    send waiting for pages then raises TransferError(ABORTED) and closes its link (the
-    receiver's expectation fails PEER_LOST; no byte lands in a page that was not final).
+    send waiting for pages then raises TransferError(ABORTED) and tells the receiver with
+    a NACK MACed under the transfer's key (its expectation fails ABORTED; no byte lands in
+    a page that was not final).
     Not thread-safe: call it from the event loop's thread (`loop.call_soon_threadsafe`
     from a compute thread)."""
 

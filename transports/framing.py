@@ -32,8 +32,9 @@ Checksum choice: XXH3-64 (xxhash). It runs at memory bandwidth (tens of GB/s on 
 core), so checking every page costs a few percent of a loopback transfer, and it has full
 64-bit avalanche, unlike Adler-32 (the weak upstream choice: 32 bits, poor mixing on short
 or zero-heavy inputs, trivially collidable). crc32c would need a third-party package here
-and gives only 32 bits. The header itself carries an XXH3-64 of its first 72 bytes, so a
-flipped bit anywhere in the header (a page id, an epoch) is detected before it is trusted.
+and gives only 32 bits. The header itself carries an XXH3-64 of its first 88 bytes (the
+body and the MAC), so a flipped bit anywhere in the header (a page id, an epoch) is
+detected before it is trusted.
 The header checksum is integrity against faults; the MAC is authentication against
 anyone who can reach the port without the key.
 """

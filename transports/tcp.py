@@ -1,7 +1,7 @@
 """TCP data plane: raw non-blocking asyncio sockets, one frame header + one page per frame.
 
 Sender: headers and pages go out with `sendmsg` straight from the pool's memory (no
-per-page copies; several frames per syscall). Receiver: reads the 80-byte header, checks it
+per-page copies; several frames per syscall). Receiver: reads the 96-byte header, checks it
 against the live expectation (`ReceiveTable`), then `recv_into` the destination page itself;
 rejected payloads are read into a scratch buffer. One transfer at a time per connection;
 idle connections are pooled per address. What TCP shares with UCX is in core.py.

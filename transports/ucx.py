@@ -1,7 +1,7 @@
 """UCX data plane (UCXX; ucx-py's `ucp` is accepted when that is what is installed).
 
 Same frames and the same receiver checks (`ReceiveTable`) as TCP; each frame is two tagged
-messages on the endpoint: the 80-byte header, then the page, which the receiver posts
+messages on the endpoint: the 96-byte header, then the page, which the receiver posts
 straight into the destination page (`np.frombuffer(view, np.uint8)`) after the header was
 checked. At link speed: the sender posts every message of a transfer at once (UCX
 pipelines outstanding requests) and the receiver keeps up to `receive_window` page
@@ -135,10 +135,9 @@ def _active_transports() -> frozenset[str]:
 
 # UCX's TCP transport (the one an endpoint with peer error handling gets between two
 # processes on a host, and between hosts without RDMA) moves data in 8 KiB send / 64 KiB
-# receive segments by default; 1 MiB segments doubled its bandwidth here (a bare ucxx
-# 64 MiB send over loopback: 0.75 -> 1.6-1.9 GB/s; the transport at 16 / 64 MiB: 0.89 /
-# 0.84 -> 1.4-1.7 / 1.7-2.0 GB/s). Cost: up to 1 MiB per buffer, 8 buffers per pool growth
-# step. Set before UCX is loaded; an operator's own values win. transports/README.md.
+# receive segments by default; 1 MiB segments about double its bandwidth (`pdmesh bench
+# transport`). Cost: up to 1 MiB per buffer, 8 buffers per pool growth step. Set before
+# UCX is loaded; an operator's own values win. transports/README.md.
 UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
 for _key, _value in UCX_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
@@ -314,8 +313,7 @@ class UcxTransport(TransportCore):
     lazy_frames = True
     # A run is posted before its pages are checksummed (DEFERRED frames; the COMMIT's digest
     # covers them): the sender checksums a run while the receiver copies it, instead of
-    # before its first header (16 MiB transfers here: 1.18 -> 1.42 GB/s, transports/
-    # README.md).
+    # before its first header, so the two overlap.
     defers_checksums = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
