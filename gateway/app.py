@@ -293,7 +293,8 @@ class Gateway:
             # Over the served context: answered here, before any control message, so that
             # no prompt size can make a submit exceed NATS's max payload (admission applies
             # the same rule to what gets through: the context may shrink meanwhile).
-            over = context_rejection(len(ids), max_tokens, self.served_context() or 1 << 62)
+            over = context_rejection(  # guard: gateway-context
+                len(ids), max_tokens, self.served_context() or 1 << 62)
             if over is not None and not self.bypass_checks(request.headers):
                 raise MeshRejected(m.Rejected(
                     request_id=rid, outcome=m.Outcome(code=over.reason, detail=over.message),

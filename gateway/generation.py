@@ -107,7 +107,7 @@ class Generation:
         workers = [sub.decode_worker] if sub.got_first_token else [sub.decode_worker,
                                                                    sub.prefill_worker]
         for worker in workers:
-            if worker and self.gw.registry.get(worker) is None:
+            if worker and self.gw.registry.get(worker) is None:  # guard: dead-worker
                 return worker
         return ""
 

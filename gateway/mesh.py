@@ -169,7 +169,7 @@ class MeshClient:
             else:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            if not sub_state.finished:
+            if not sub_state.finished:  # guard: abort-on-disconnect
                 # Anything but a clean finish (client gone, deadline, stop string, error
                 # already reported) tells every worker to let go now.
                 with contextlib.suppress(Exception):

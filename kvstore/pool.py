@@ -323,7 +323,7 @@ class KVPool:
         epochs = self._page_epoch[pages]
         if self._all_of_epoch(lease, epochs):
             return
-        ok = epochs == lease.epoch
+        ok = epochs == lease.epoch  # guard: lease-read-check
         if ok.all():
             return
         marks = self._shared.get(lease.lease_id)
@@ -353,7 +353,8 @@ class KVPool:
         for numpy's compare-and-all: it runs for every request of every decode step)."""
         if epochs.dtype != np.int64:
             return bool((epochs == lease.epoch).all())
-        return epochs.tobytes() == KVPool._epoch_pattern(lease, len(epochs))[:epochs.nbytes]
+        return (epochs.tobytes()  # guard: lease-read-check-fast
+                == KVPool._epoch_pattern(lease, len(epochs))[:epochs.nbytes])
 
     @staticmethod
     def _epoch_pattern(lease: Lease, count: int = 0) -> bytes:
@@ -381,8 +382,9 @@ class KVPool:
                 and cached[0] == lease.epoch:
             count = -(-num_tokens // lease.page_tokens)
             epochs = self._page_epoch[lease.page_array[:count]]
-            if (epochs.tobytes() == cached[1][:8 * count]
-                    and num_tokens <= self._prefix_written.get(lease.lease_id, 0)):
+            if (epochs.tobytes() == cached[1][:8 * count]  # guard: lease-read-check-inline
+                    and num_tokens <= self._prefix_written.get(
+                        lease.lease_id, 0)):  # guard: lease-read-check-inline-written
                 return
         self._check_lease(lease)
         self._check_pages(lease, 0, pages_for(num_tokens, lease.page_tokens), shared_ok=True)
@@ -405,7 +407,7 @@ class KVPool:
             )
         first, last = start // lease.page_tokens, pages_for(end, lease.page_tokens)
         if last - first == 1:  # a decode step's one token: a scalar compare (~0.3 us, not ~2)
-            if self._page_epoch[lease.page_array[first]] != lease.epoch:
+            if self._page_epoch[lease.page_array[first]] != lease.epoch:  # guard: lease-write-check
                 self._check_pages(lease, first, last, shared_ok=False)
             return
         pages = lease.page_array[first:last]
@@ -429,8 +431,8 @@ class KVPool:
         indices, expected, slow = [], [], []
         for lease, position in zip(leases, positions, strict=True):
             if (lease.pool_id == pool_id and lease._live and lease.page_tokens == size
-                    and written.get(lease.lease_id, -1) == position
-                    and 0 <= position < len(lease.page_ids) * size
+                    and written.get(lease.lease_id, -1) == position  # guard: decode-batch-written
+                    and 0 <= position < len(lease.page_ids) * size  # guard: decode-batch-capacity
                     and lease.lease_id not in sharing):
                 count = position // size + 1
                 cached = lease._epoch_bytes  # _epoch_pattern's cache, read inline (hot)
@@ -441,9 +443,10 @@ class KVPool:
             else:
                 slow.append((lease, position))
         if len(indices) == 1:
-            batch_failed = self._page_epoch[indices[0]].tobytes() != expected[0]
+            batch_failed = (  # guard: decode-batch-epochs
+                self._page_epoch[indices[0]].tobytes() != expected[0])
         else:
-            batch_failed = bool(indices) and (
+            batch_failed = bool(indices) and (  # guard: decode-batch-epochs.concat
                 self._page_epoch[np.concatenate(indices)].tobytes() != b"".join(expected))
         if batch_failed:
             slow = list(zip(leases, positions, strict=True))  # find and name the culprit
@@ -471,7 +474,8 @@ class KVPool:
                     and written.get(lease.lease_id) == position
                     and 0 <= page_index < len(lease.page_ids) and offset + 1 < size):
                 page_id = lease.page_ids[page_index]
-                if epochs[page_id] == lease.epoch and page_written[page_id] == offset:
+                if (epochs[page_id] == lease.epoch  # guard: decode-mark-epoch
+                        and page_written[page_id] == offset):
                     page_written[page_id] = offset + 1
                     lease.page_written[page_index] = offset + 1
                     written[lease.lease_id] = position + 1

@@ -82,7 +82,7 @@ class PrefixCache:
     def _match(self, cache_salt: str, token_ids: Sequence[int]) -> list[_Node]:
         """The usable cached path: whole aligned pages, always leaving the last token (its
         logits give the first generated token) to be computed."""
-        root = self._roots.get(cache_salt) if cache_salt else None
+        root = self._roots.get(cache_salt) if cache_salt else None  # guard: prefix-salt
         if root is None:
             return []
         size, align = self.page_tokens, self.align_tokens

@@ -77,7 +77,7 @@ def make_service_transport(kind: str, host: str, port: int, *, progress_timeout_
     `ucx_error_mode`: `--ucx-error-mode` (ucx only; transports/ucx.py `data_error_mode`)."""
     options: dict = {}
     if kind == "ucx":
-        os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+        os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")  # guard: ucx-service-futures
         options["error_mode"] = ucx_error_mode
     return make_transport(kind, host, port, faults=faults, progress_timeout_s=progress_timeout_s,
                           **options)

@@ -313,7 +313,7 @@ class TransportCore(abc.ABC):
         """Serve one inbound link until it ends: every header is checked against the live
         expectation before any payload byte is read; rejections are answered with a NACK."""
         unbound = [cid for cid in self._links if not self._table.bound_to(cid)]
-        if len(unbound) >= self.max_unbound_links:
+        if len(unbound) >= self.max_unbound_links:  # guard: unbound-cap
             # Make room by ending the longest-waiting unbound link (a flood of idle
             # connections cannot lock out a sender that sends its header at once).
             self.stats.links_refused += 1
@@ -333,12 +333,13 @@ class TransportCore(abc.ABC):
         turns = LoopTurns(self.loop_turn_s)
         try:
             while True:
-                await turns.take()  # a link that is always full must not hold the loop
+                # a link that is always full must not hold the loop
+                await turns.take()  # guard: loop-turns
                 header = await self._bound_header(link, conn_id, paused, pending)
                 if header is _UNBOUND:  # a whole header within the header timeout
                     try:
                         header = await timed(self._recv_header(link, None),
-                                             self.header_timeout_s)
+                                             self.header_timeout_s)  # guard: header-timeout
                     except TimeoutError:
                         self.stats.links_timed_out += 1
                         raise
@@ -359,7 +360,7 @@ class TransportCore(abc.ABC):
                     self.stats.frames_rejected[reason] += 1
                     await self._send_reply(link, nack_frame(_NO_RESERVATION, 0, reason, detail))
                     break
-                paused = bool(h.flags & PAUSE)
+                paused = bool(h.flags & PAUSE)  # guard: stream-pause
                 if h.kind is Kind.DATA:
                     slot, nack = self._table.check_data(h, conn_id)
                     if slot is None:
@@ -434,7 +435,7 @@ class TransportCore(abc.ABC):
             run.append(x)
             checked.append(self._table.check_data(x, conn_id))
         slot = checked[0][0]
-        paused = bool(run[-1].flags & PAUSE)
+        paused = bool(run[-1].flags & PAUSE)  # guard: stream-pause.run
         nack = next((n for _, n in checked if n is not None), None)
         if nack is not None or slot is None:
             total = sum(x.payload_len for x in run)
@@ -464,7 +465,7 @@ class TransportCore(abc.ABC):
         if not self.drain_allocates:
             return
         allowed = self._table.page_bytes_for(h.reservation) * max(1, self.receive_window)
-        if length > allowed:
+        if length > allowed:  # guard: drain-bound
             raise ConnectionAbortedError(f"rejected payload of {length} bytes, at most "
                                          f"{allowed} may be drained")
 
@@ -567,8 +568,9 @@ class TransportCore(abc.ABC):
                     raise TransferError(rid, Reason.PEER_LOST,
                                         f"{type(exc).__name__}: {exc}") from None
                 h, detail = reply.result()
-            if h.kind is Kind.ACK and h.reservation == key and h.token_count == plan.num_tokens:
-                if not mac_ok(h, plan.key):
+            if (h.kind is Kind.ACK and h.reservation == key
+                    and h.token_count == plan.num_tokens):  # guard: commit-verification.ack
+                if not mac_ok(h, plan.key):  # guard: ack-mac
                     raise TransferError(rid, Reason.UNAUTHENTICATED, "ACK MAC does not verify")
                 reusable = True
                 return
@@ -672,7 +674,8 @@ class TransportCore(abc.ABC):
             h = decode_header(header)
         except FrameError as exc:
             raise EOFError(f"malformed reply: {exc.detail}") from None
-        if h.kind not in (Kind.ACK, Kind.NACK):  # before any allocation the peer sized
+        # before any allocation the peer sized
+        if h.kind not in (Kind.ACK, Kind.NACK):  # guard: reply-bound
             raise EOFError(f"malformed reply: a {h.kind.name} frame")
         detail = b""
         if h.payload_len:

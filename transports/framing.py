@@ -64,7 +64,8 @@ MAX_NACK_DETAIL = 4096
 PAUSE = 0x1  # DATA flag: the next frame of this transfer may come late (streamed send)
 DEFERRED = 0x2  # DATA flag: no page checksum in this header: the COMMIT's digest verifies it
 
-checksum = xxhash.xxh3_64_intdigest  # accepts any buffer (memoryview, numpy) without copying
+# accepts any buffer (memoryview, numpy) without copying
+checksum = xxhash.xxh3_64_intdigest  # guard: checksum
 
 
 class Kind(enum.IntEnum):

@@ -236,7 +236,7 @@ class NixlTransport(TcpTransport):
         return region
 
     def _retire(self, region: _Region) -> None:
-        if region.released:
+        if region.released:  # guard: nixl-staging-retire
             self._free.append(region)
         else:
             self._retired[region.token] = region
@@ -299,7 +299,7 @@ class NixlTransport(TcpTransport):
                     or h.payload_checksum != int.from_bytes(nonce, "little")):
                 reason, detail = Reason.BAD_HEADER, "not a link proof for this challenge"
             else:
-                reason, detail = self._table.vouch(h)
+                reason, detail = self._table.vouch(h)  # guard: nixl-link-proof
         if reason is not Reason.OK:
             self.stats.frames_rejected[reason] += 1
             data = detail.encode()[:1024]
@@ -357,7 +357,7 @@ class NixlTransport(TcpTransport):
                                          f"{region.array.nbytes}")
         start = (h.page_index % slots) * t.page_bytes
         # Synchronous from this check to the end of the copy: a fence cannot slip in.
-        if slot.live:
+        if slot.live:  # guard: nixl-staging-copy
             view[:] = region.array[start:start + t.page_bytes]
         if t.num_pages > slots and slot.live and h.page_index + 1 < t.num_pages:
             # The sender may reuse this page's slot now.

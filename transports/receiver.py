@@ -131,7 +131,7 @@ class ReceiveTable:
         drops the frame and closes the connection). Frames naming no live reservation
         cannot be verified; they change nothing either (answered with a NACK)."""
         slot = self._slots.get(h.reservation)
-        if slot is not None and not mac_ok(h, slot.target.key):
+        if slot is not None and not mac_ok(h, slot.target.key):  # guard: frame-mac
             raise AuthError(f"{h.kind.name} frame {h.seq}: MAC does not verify")
 
     def vouch(self, h: FrameHeader) -> tuple[Reason, str]:
@@ -154,7 +154,7 @@ class ReceiveTable:
             return None, self._reject(h, reason, "no live expectation for this reservation")
         t = slot.target
         reason, detail = Reason.OK, ""
-        if h.epoch != t.epoch:
+        if h.epoch != t.epoch:  # guard: epoch
             reason, detail = Reason.STALE_EPOCH, f"epoch {h.epoch} != live {t.epoch}"
         elif slot.conn_id is not None and slot.conn_id != conn_id:
             reason, detail = Reason.DUPLICATE, "frames for this reservation on two connections"
@@ -167,7 +167,8 @@ class ReceiveTable:
             reason, detail = Reason.OUT_OF_RANGE, f"page {h.page_index} -> id {h.dest_page_id}"
         elif h.payload_len != t.page_bytes:
             reason, detail = Reason.LENGTH_MISMATCH, f"payload {h.payload_len} != {t.page_bytes}"
-        elif h.token_count != tokens_in_page(h.page_index, t.num_tokens, t.page_tokens):
+        elif h.token_count != tokens_in_page(  # guard: commit-verification.frame
+                h.page_index, t.num_tokens, t.page_tokens):
             reason, detail = Reason.LENGTH_MISMATCH, f"page {h.page_index}: {h.token_count} tokens"
         if reason is not Reason.OK:
             self.fail(slot, reason, detail, notify=False)
@@ -206,13 +207,14 @@ class ReceiveTable:
             reason, detail = Reason.STALE_EPOCH, f"epoch {h.epoch} != live {t.epoch}"
         elif slot.conn_id != conn_id or h.seq != slot.next_seq:
             reason, detail = Reason.MISORDERED, f"commit seq {h.seq}, expected {slot.next_seq}"
-        elif h.token_count != t.num_tokens:
+        elif h.token_count != t.num_tokens:  # guard: commit-verification
             reason, detail = Reason.LENGTH_MISMATCH, f"{h.token_count} tokens != {t.num_tokens}"
-        elif h.page_index != t.num_pages or len(slot.page_checksums) != t.num_pages:
+        elif (h.page_index != t.num_pages  # guard: commit-verification.pages
+              or len(slot.page_checksums) != t.num_pages):
             reason = Reason.INCOMPLETE
             detail = f"{len(slot.page_checksums)} of {t.num_pages} pages written"
-        elif h.payload_checksum != commit_digest([slot.page_checksums.get(i, 0)
-                                                   for i in range(t.num_pages)]):
+        elif h.payload_checksum != commit_digest(  # guard: commit-digest
+                [slot.page_checksums.get(i, 0) for i in range(t.num_pages)]):
             reason, detail = Reason.BAD_CHECKSUM, "commit digest mismatch"
         if reason is not Reason.OK:
             self.fail(slot, reason, detail, notify=False)
@@ -330,9 +332,9 @@ class ReceiveTable:
         key = reservation_bytes(reservation_id)
         slot = self._slots.get(key)
         if slot is not None:
-            self.fail(slot, Reason.FENCED, "fenced by the receiver")
+            self.fail(slot, Reason.FENCED, "fenced by the receiver")  # guard: fence
         else:
-            slot = self._draining.get(key) or self._quarantined.get(key)
+            slot = self._draining.get(key) or self._quarantined.get(key)  # guard: fence-inflight
             if slot is None:
                 self._remember(key, Reason.FENCED)
                 return

@@ -81,7 +81,7 @@ class TcpTransport(TransportCore):
         while True:
             try:
                 sock, _ = await loop.sock_accept(self._listener)
-            except OSError as exc:
+            except OSError as exc:  # guard: accept-loop
                 self.stats.accept_errors += 1
                 if self.accepting:
                     log.warning("data plane %s cannot accept: %s; retrying", self.address, exc)

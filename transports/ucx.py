@@ -121,7 +121,7 @@ def data_error_mode(setting: str | None = None, active: Iterable[str] | None = N
     if setting != "auto":
         return setting
     active = _active_transports() if active is None else frozenset(active)
-    return "none" if active and active <= _NO_ERRH_SAFE else "peer"
+    return "none" if active and active <= _NO_ERRH_SAFE else "peer"  # guard: ucx-error-mode
 
 
 @functools.cache

@@ -98,7 +98,8 @@ class CapacityRegistry:
         self.expire(now)
         now = time.monotonic() if now is None else now
         entries = [e for e in self._workers.values()
-                   if e.beat.role is role and not self.is_set_aside(e.beat, now)]
+                   if e.beat.role is role
+                   and not self.is_set_aside(e.beat, now)]  # guard: unreachable-set-aside
         cached = self._cached_prefixes(entries, cache_salt, prompt_ids)
         out = []
         for e in entries:

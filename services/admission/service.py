@@ -141,7 +141,8 @@ class AdmissionService:
             if tried and not decodes:
                 pass  # every live decode refused this request: keep its refusal as the answer
             else:
-                decision = self.policy.decide(req, prefills, decodes, headers)
+                decision = self.policy.decide(  # guard: admission-decides
+                    req, prefills, decodes, headers)
             if isinstance(decision, Admitted):
                 reply = await self._reserve_and_dispatch(req, decision, headers, attempts)
                 attempts += 1
@@ -203,7 +204,7 @@ class AdmissionService:
             # request would also end it where the retry below places it, and the late
             # worker's failure event would end the client's request.)
             await self.rt.publish(m.reserve_subject(decode.worker_id), m.ReserveCancel(
-                request_id=req.request_id, nonce=ticket.nonce,
+                request_id=req.request_id, nonce=ticket.nonce,  # guard: reserve-cancel
                 outcome=m.Outcome(code=m.Code.RESERVE_FAILED, detail=str(exc))))
             return Retry(str(exc))
         if isinstance(res, m.ReserveRefused):
@@ -230,7 +231,7 @@ class AdmissionService:
             # learns why from admission. On the reserve subject, which admission may publish
             # to (a Release on the release subject is prefill's: NATS refused admission's).
             await self.rt.publish(m.reserve_subject(decode.worker_id), m.ReserveCancel(
-                request_id=req.request_id, nonce=ticket.nonce,
+                request_id=req.request_id, nonce=ticket.nonce,  # guard: payload-cancel
                 outcome=m.Outcome(code=m.Code.INVALID, detail=str(exc))))
             return Rejected(m.Code.INVALID, "the prompt's dispatch exceeds this mesh's NATS "
                             f"max_payload ({self.rt.nc.max_payload} bytes): {exc}")

@@ -107,7 +107,7 @@ class LocalPrefill:
             log.warning("dispatch for %s names no live reservation here", d.ticket.request_id)
             return
         vocab = svc.model.tokenizer.vocab_size
-        if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:
+        if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:  # guard: colocated-token-range
             # The same token-range gate as a prefill worker's (defence in depth).
             await svc.end(dreq, m.Outcome(code=m.Code.PREFILL_REJECTED,
                                           detail=f"token id out of range 0..{vocab - 1}"))

@@ -203,7 +203,7 @@ class DecodeService(WorkerBase):
                 await self.end(dreq, m.Outcome(
                     code=m.Code.PEER_RELEASED,
                     detail=f"prefill worker {dreq.ticket.prefill_worker} stopped heartbeating"))
-            elif now - dreq.progress_at > self.cfg.prefill_stall_s:
+            elif now - dreq.progress_at > self.cfg.prefill_stall_s:  # guard: progress-liveness
                 await self.end(dreq, m.Outcome(
                     code=m.Code.DEADLINE,
                     detail=f"prefill worker {dreq.ticket.prefill_worker} reported no progress "
@@ -236,7 +236,7 @@ class DecodeService(WorkerBase):
         dreq = self.requests.get(c.request_id)
         if dreq is None or dreq.ticket.nonce != c.nonce or dreq.state is not RequestState.RESERVED:
             return
-        dreq.quiet = True
+        dreq.quiet = True  # guard: reserve-cancel-quiet
         await self.end(dreq, c.outcome)
 
     def _refuse(self, t: m.AdmittedTicket, label: str, code: m.Code,
@@ -303,7 +303,7 @@ class DecodeService(WorkerBase):
                 f"expected {dreq.ticket.prompt_len}"))
             return
         vocab = self.model.tokenizer.vocab_size
-        if not 0 <= result.first_token < vocab:
+        if not 0 <= result.first_token < vocab:  # guard: first-token-range
             # Checked here, before it can reach a batch: a bad id would fail the whole
             # decode step (other tenants' requests included) or wrap around silently.
             self.transfers.labels("bad_first_token").inc()
@@ -410,7 +410,7 @@ class DecodeService(WorkerBase):
         the failure). Release before telling: a failed publish cannot leak the lease."""
         outcome = dreq.lifecycle.outcome
         assert outcome is not None
-        self.scheduler.discard(dreq)
+        self.scheduler.discard(dreq)  # guard: release-before-telling
         # Fence before the pages can be leased again: after this no late frame for this
         # reservation can land in them (the next lease of the same pages is safe).
         try:
@@ -423,7 +423,7 @@ class DecodeService(WorkerBase):
         if quarantine:
             log.error("lease of %s quarantined (%d pages out of service): %s",
                       dreq.request_id, dreq.lease.num_pages, quarantine)
-            self.pool.quarantine(lease, outcome.label)
+            self.pool.quarantine(lease, outcome.label)  # guard: quarantine
         else:
             self.pool.release(lease, outcome.label)
         self.releases.labels(outcome.label).inc()

@@ -179,7 +179,7 @@ class PagedSegmentsKV:
             raise ValueError("a K/V slot outside the pool")
         row_bytes = t.shape[-2] * t.shape[-1] * t.element_size()
         out = np.empty((slots.shape[0], 2, slots.shape[1]), dtype=np.int64)
-        np.multiply(slots, row_bytes, out=out[:, 0])
+        np.multiply(slots, row_bytes, out=out[:, 0])  # guard: native-kv-append
         out[:, 0] += t.data_ptr()
         np.add(out[:, 0], self.page_tokens * row_bytes, out=out[:, 1])
         return out
@@ -187,7 +187,8 @@ class PagedSegmentsKV:
     def decode_attention(self) -> DecodeAttention:
         """The pool in place: page `p` of a request starts p * page_stride floats in."""
         tensor = self.tensor
-        return DecodeAttention.over_pool(tensor, self.page_tokens, self.gather, self.lengths)
+        return DecodeAttention.over_pool(tensor, self.page_tokens,
+                                         self.gather, self.lengths)  # guard: native-page-table
 
     def read(self, layer: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         shape = (2, -1, *self.tensor.shape[-2:])  # K/V, tokens, kv_heads, head_dim

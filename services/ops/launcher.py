@@ -162,7 +162,7 @@ class Launcher:
         conf.write_text(natsauth.server_config(by_user.values()))
         conf.chmod(0o600)
         port, monitor = self._fresh_port(), self._fresh_port()
-        self.nats = await self._spawn("nats", [
+        self.nats = await self._spawn("nats", [  # guard: nats-auth
             nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port),
             "-m", str(monitor)], os.environ.copy())
         self.nats_url = f"nats://127.0.0.1:{port}"

@@ -133,7 +133,7 @@ def server_config(identities: Iterable[Identity]) -> str:
                  f"subscribe: {{ allow: {json.dumps(list(ident.subscribe))} }}"]
         if ident.allow_responses:
             perms.append("allow_responses: true")
-        users.append(f"    {{ user: {json.dumps(ident.user)}, "
+        users.append(f"    {{ user: {json.dumps(ident.user)}, "  # guard: nats-permissions
                      f"password: {json.dumps(ident.password)},\n"
                      f"      permissions: {{ {', '.join(perms)} }} }}")
     return (f"max_payload: {MAX_PAYLOAD_BYTES}\n"
@@ -203,7 +203,7 @@ def cluster_config(hosts: Sequence[str], password: str, port: int = ROUTE_PORT,
     scheme = "tls" if tls_dir else "nats"
     routes = [f"{scheme}://{cred}@{host}:{port}" for host in hosts]
     tls = tls_block(tls_dir, verify=True, indent="  ") if tls_dir else ""
-    return ("cluster {\n  name: \"pdmesh\"\n"
+    return ("cluster {\n  name: \"pdmesh\"\n"  # guard: route-auth
             f"  listen: {json.dumps(f'{listen_host}:{port}')}\n"
             f"  authorization {{ user: {json.dumps(ROUTE_USER)}, "
             f"password: {json.dumps(password)} }}\n"

@@ -78,7 +78,7 @@ def zero_tail(pool: KVPool, lease: Lease, num_tokens: int) -> None:
     n_pages = pages_for(num_tokens, pool.spec.page_tokens)
     tail = num_tokens - (n_pages - 1) * pool.spec.page_tokens
     if tail < pool.spec.page_tokens:  # the last page is this lease's own, never a cached one
-        pool.page_tensor(lease, n_pages - 1)[:, :, tail:].zero_()
+        pool.page_tensor(lease, n_pages - 1)[:, :, tail:].zero_()  # guard: tail-zero
 
 
 def outgoing_pages(pool: KVPool, lease: Lease, num_tokens: int) -> list[memoryview]:
@@ -95,7 +95,7 @@ def release_pages(pool: KVPool, lease: Lease, pages: PagesReady, num_tokens: int
     """Let the send read the pages holding the first `num_tokens` tokens: whole pages, or
     every page with the first token when the prompt is done. The pool's read check (I2:
     this lease wrote every one of those tokens in this epoch) comes first."""
-    pool.check_readable(lease, num_tokens)
+    pool.check_readable(lease, num_tokens)  # guard: stream-read-check
     if first_token is None:
         pages.advance(num_tokens // pool.spec.page_tokens)
     else:
@@ -286,7 +286,8 @@ class PrefillService(WorkerBase):
         log.warning("prefill gives up on %s: %s", rid, outcome.detail)
         try:
             await self.rt.publish(m.release_subject(d.ticket.decode_worker), m.Release(
-                request_id=rid, reservation_id=d.reservation.reservation_id, outcome=outcome))
+                request_id=rid, reservation_id=d.reservation.reservation_id,
+                outcome=outcome))  # guard: release-on-reject
             await self.rt.publish(m.tokens_subject(rid),
                                   m.StreamFailed(request_id=rid, outcome=outcome))
         except (nats.errors.Error, OSError) as exc:
@@ -407,7 +408,7 @@ class PrefillService(WorkerBase):
         go."""
         life, lease = job.lifecycle, job.lease
         assert lease is not None and job.pages is not None
-        if life.is_terminal or not job.windows:
+        if life.is_terminal or not job.windows:  # guard: abort-stops-prefill
             self._stop_compute(job)
             return
         start, length = job.windows.pop(0)
@@ -428,7 +429,7 @@ class PrefillService(WorkerBase):
             self._compute_since = 0.0
         self.prompt_tokens.inc(length)
         job.done_tokens = start + length
-        if life.is_terminal:
+        if life.is_terminal:  # guard: abort-stops-prefill.after-chunk
             self._stop_compute(job)
             return
         if job.windows:

@@ -32,7 +32,7 @@ def prefill_refusal(prompt_len: int, capacity_tokens: int, page_tokens: int,
 
 
 def decode_refusal(prompt_len: int, max_tokens: int, capacity_tokens: int, page_tokens: int,
-                   served_context: int) -> str:
+                   served_context: int) -> str:  # guard: decode-gate
     """Why a decode worker cannot ever hold this request ("" when it can)."""
     total = prompt_len + max_tokens
     if prompt_len <= 0 or max_tokens <= 0:
@@ -48,7 +48,7 @@ def audit_capacity(configured_context: int, pool_capacity_tokens: int, policy: s
                    role: str) -> tuple[int, bool]:
     """Return (served_context, mismatch) for a worker whose pool holds
     `pool_capacity_tokens`; under the `fail` policy a mismatch raises StartupError (I5)."""
-    if configured_context <= pool_capacity_tokens:
+    if configured_context <= pool_capacity_tokens:  # guard: capacity-audit
         return configured_context, False
     msg = (f"configured context {configured_context} tokens exceeds the real KV pool of this "
            f"{role} worker ({pool_capacity_tokens} tokens)")

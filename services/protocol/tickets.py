@@ -65,7 +65,7 @@ def verify_grant(secret: str, dispatch: m.PrefillDispatch) -> None:
     """Raise TicketError unless the dispatch's grant covers its ticket, prompt and
     reservation exactly as admission signed them."""
     expected = _grant_mac(secret, dispatch.ticket, dispatch.prompt_ids, dispatch.reservation)
-    if not hmac.compare_digest(expected, dispatch.grant):
+    if not hmac.compare_digest(expected, dispatch.grant):  # guard: dispatch-grant
         raise TicketError(dispatch.ticket.request_id,
                           "grant does not match the prompt or reservation admission signed")
 
@@ -82,7 +82,7 @@ class TicketVerifier:
     def verify(self, ticket: m.AdmittedTicket, *, prompt_len: int | None = None) -> None:
         """Raise TicketError unless the ticket is genuine, live, ours and unused."""
         expected = _mac(self._secret, ticket)
-        if not hmac.compare_digest(expected, ticket.signature):
+        if not hmac.compare_digest(expected, ticket.signature):  # guard: ticket-signature
             raise TicketError(ticket.request_id, "bad signature")
         now = time.time()
         if ticket.expires_at < now:

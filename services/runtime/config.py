@@ -281,7 +281,7 @@ def dev_credentials(cfg: ServiceConfig) -> list[str]:
 def check_dev_credentials(cfg: ServiceConfig, allowed: bool) -> None:
     """Raise ConfigError when `cfg` uses dev credentials and they are not allowed."""
     found = dev_credentials(cfg)
-    if found and not allowed:
+    if found and not allowed:  # guard: dev-credentials
         raise ConfigError("mesh_secret" if "secret" in found[0] else "tenants_file",
                           "(built-in default)",
                           f"{cfg.role} would run with {' and '.join(found)}; pass "

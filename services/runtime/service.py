@@ -136,7 +136,7 @@ class ServiceRuntime:
                     user=self.cfg.nats_user or None, password=self.cfg.nats_password or None,
                     # With a CA: TLS before anything else, so a server (or a man in the
                     # middle) that does not offer TLS never sees the password in clear.
-                    tls=tls, tls_handshake_first=tls is not None,
+                    tls=tls, tls_handshake_first=tls is not None,  # guard: tls-first
                     # In the order given: a host's own NATS node first (multi-host), the
                     # others only to fail over to.
                     dont_randomize=True,

@@ -154,7 +154,7 @@ class WorkerBase:
         """Whether the data plane can accept (False while its listener cannot, e.g. out of
         file descriptors): /ready and the heartbeat's `ready` follow it, so admission stops
         routing here until it can again."""
-        return bool(getattr(self.transport, "accepting", True))
+        return bool(getattr(self.transport, "accepting", True))  # guard: ready-data-plane
 
     async def _start_transport(self) -> str:
         """Listen, then advertise the address peers can dial (never a wildcard)."""

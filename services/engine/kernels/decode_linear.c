@@ -89,7 +89,7 @@ block(const float *x, int64_t m, int64_t k, const float *w, int64_t n, float *ou
         *(v16 *)sums = tile(w + j0 * k, x + g * x_rows * k, k, w_rows, x_rows);
         for (int64_t b = 0; b < x_rows && g * x_rows + b < m; b++)
             for (int64_t a = 0; a < w_rows; a++)
-                out[(g * x_rows + b) * n + j0 + a] = sums[a * x_rows + b];
+                out[(g * x_rows + b) * n + j0 + a] = sums[a * x_rows + b];  /* guard: native-linear-rows */
     }
 }
 
