@@ -44,7 +44,7 @@ from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.engine.checkpoint import load_tokenizer
 from pdmesh.services.engine.tokenizer import ChatTemplateError
 from pdmesh.services.protocol import messages as m
-from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.config import GatewayConfig
 from pdmesh.services.runtime.service import ServiceRuntime, run_service
 
 log = logging.getLogger("pdmesh.gateway")
@@ -60,7 +60,7 @@ _REJECT_STATUS = {
 
 
 class Gateway:
-    def __init__(self, cfg: ServiceConfig) -> None:
+    def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.rt = ServiceRuntime(cfg)
         self.rt.extra_ready = self._workers_ready  # type: ignore[method-assign]
@@ -353,6 +353,6 @@ def _version() -> str:
         return "unknown"
 
 
-async def serve(cfg: ServiceConfig) -> None:
+async def serve(cfg: GatewayConfig) -> None:
     gw = Gateway(cfg)
     await run_service(gw.rt, gw.start)

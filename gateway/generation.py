@@ -29,7 +29,7 @@ from pdmesh.gateway.text import TextStream
 from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.engine.tokenizer import Tokenizer
 from pdmesh.services.protocol import messages as m
-from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.config import GatewayConfig
 
 # Request key: the SSE headers are out. aiohttp >= 3.14 has typed request keys and warns on
 # plain strings; older releases (pyproject allows >= 3.9) have neither.
@@ -50,7 +50,7 @@ class Serving(Protocol):
     """What a Generation uses of the gateway serving it (`app.Gateway`), named here so that
     this module need not import the app that imports it."""
 
-    cfg: ServiceConfig
+    cfg: GatewayConfig
     tokenizer: Tokenizer
     model_name: str
     mesh: MeshClient

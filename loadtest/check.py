@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import ipaddress
 import json
-import os
 import socket
 import ssl
 import sys
@@ -43,6 +42,9 @@ from typing import Any
 import nats
 
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol.errors import PdmeshError
+from pdmesh.services.runtime.config import NatsConfig, add_arguments, resolve_nats, settings_of
+from pdmesh.services.runtime.settings import CHECK
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 WORKER_ROLES = (m.Role.PREFILL, m.Role.DECODE)
@@ -324,22 +326,22 @@ class Unreachable(Exception):
     pass
 
 
-async def _connect(url: str, timeout_s: float) -> Any:
+async def _connect(cfg: NatsConfig, timeout_s: float) -> Any:
     errors: list[Exception] = []
 
     async def quiet(exc: Exception) -> None:
         # nats-py retries a refused connection until our deadline; keep the cause.
         errors.append(exc)
 
-    servers = [u.strip() for u in url.split(",") if u.strip()]
-    # The same credentials and CA settings a service takes (PDMESH_NATS_USER/_PASSWORD,
-    # PDMESH_NATS_TLS_CA); credentials in the URL work too.
+    servers = cfg.nats_servers
+    url = ",".join(servers)
+    # The same credentials and CA settings a service takes (--nats-user/--nats-password,
+    # --nats-tls-ca or their env vars); credentials in the URL work too.
     extra: dict[str, Any] = {}
-    if os.environ.get("PDMESH_NATS_USER"):
-        extra.update(user=os.environ["PDMESH_NATS_USER"],
-                     password=os.environ.get("PDMESH_NATS_PASSWORD") or None)
-    if os.environ.get("PDMESH_NATS_TLS_CA"):
-        extra.update(tls=ssl.create_default_context(cafile=os.environ["PDMESH_NATS_TLS_CA"]),
+    if cfg.nats_user:
+        extra.update(user=cfg.nats_user, password=cfg.nats_password or None)
+    if cfg.nats_tls_ca:
+        extra.update(tls=ssl.create_default_context(cafile=cfg.nats_tls_ca),
                      tls_handshake_first=True)
     try:
         return await asyncio.wait_for(nats.connect(
@@ -356,12 +358,14 @@ async def _connect(url: str, timeout_s: float) -> Any:
         raise Unreachable(f"NATS at {url} is unreachable ({detail})") from None
 
 
-async def collect(url: str, listen_s: float, *, stats: bool = True, probe: bool = True,
-                  connect_timeout_s: float = 3.0, stats_timeout_s: float = 1.0,
-                  probe_timeout_s: float = 2.0) -> Collector:
+async def collect(nats_at: str | NatsConfig, listen_s: float, *, stats: bool = True,
+                  probe: bool = True, connect_timeout_s: float = 3.0,
+                  stats_timeout_s: float = 1.0, probe_timeout_s: float = 2.0) -> Collector:
     """Listen to heartbeats for `listen_s`, then ask each worker for its stats and dial its
-    data plane."""
-    nc = await _connect(url, connect_timeout_s)
+    data plane. `nats_at`: the NATS settings, or a URL (credentials and CA then come from
+    the environment, as a service's do)."""
+    cfg = resolve_nats({"nats_url": nats_at}) if isinstance(nats_at, str) else nats_at
+    nc = await _connect(cfg, connect_timeout_s)
     col = Collector()
     decoder = m.Decoder(m.Heartbeat)
 
@@ -438,8 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "capacity, and whether its KV data plane answers from this host. Exit 0 "
                     "ok, 1 capacity mismatch, pool integrity failure or unreachable data "
                     "plane, 2 NATS unreachable or no prefill/decode worker answered.")
-    parser.add_argument("--nats-url", default=None,
-                        help=f"NATS URL [PDMESH_NATS_URL, default {DEFAULT_NATS_URL}]")
+    add_arguments(parser, settings_of(CHECK))  # the NATS flags and env vars of a service
     parser.add_argument("--listen-s", type=float, default=2.0,
                         help="how long to listen to heartbeats (they come every 0.5 s)")
     parser.add_argument("--connect-timeout-s", type=float, default=3.0,
@@ -453,12 +456,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="last stdout line is one JSON object")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    url = args.nats_url or os.environ.get("PDMESH_NATS_URL") or DEFAULT_NATS_URL
+    try:
+        nats_cfg = resolve_nats(args)
+    except PdmeshError as exc:
+        print(f"pdmesh check: error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    url = nats_cfg.nats_url or DEFAULT_NATS_URL
     if not args.listen_s > 0:
         print("pdmesh check: error: --listen-s must be > 0", file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
-        col = asyncio.run(collect(url, args.listen_s, stats=not args.no_stats,
+        col = asyncio.run(collect(nats_cfg, args.listen_s, stats=not args.no_stats,
                                    probe=not args.no_probe,
                                    connect_timeout_s=args.connect_timeout_s,
                                    probe_timeout_s=args.probe_timeout_s))

@@ -32,6 +32,7 @@ from pdmesh.loadtest.workload import (
     build_requests,
     shared_prefix,
 )
+from pdmesh.services.runtime.config import env_value
 
 # vllm bench serve's spellings of the endpoint, mapped to ours.
 ENDPOINT_ALIASES = {"completions": "completions", "chat": "chat",
@@ -187,8 +188,7 @@ async def run(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     install_stop_handlers(stop, notice="loadtest")
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
-    default_key = args.api_key or os.environ.get("PDMESH_API_KEY") or os.environ.get(
-        "OPENAI_API_KEY")
+    default_key = args.api_key or env_value("api_key") or os.environ.get("OPENAI_API_KEY")
     keys = _keys(args.api_keys, default_key)
     primary = Target(args.label or ("mesh" if args.compare_base_url else "target"),
                      args.base_url, keys, args.model)

@@ -42,7 +42,7 @@ import msgspec
 
 from pdmesh.services.admission.policy import Admitted, LivePolicy, Rejected, WorkerView
 from pdmesh.services.protocol import messages as m
-from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.config import DecodeConfig, PrefillConfig, ServiceConfig
 from pdmesh.transports import (
     FaultInjectingTransport,
     FaultPlan,
@@ -142,7 +142,7 @@ def admission_policy(cfg: ServiceConfig) -> LivePolicy | None:
 
 
 # -- decode ---------------------------------------------------------------------------------
-def reserve_reply_delay(cfg: ServiceConfig) -> Any:
+def reserve_reply_delay(cfg: DecodeConfig) -> Any:
     """Decode's delay before it answers a reserve request (production: None): on a test
     mesh, `slow_reserve` answers after admission's reserve timeout."""
     if not enabled(cfg):
@@ -219,7 +219,7 @@ def accept_dispatch(d: m.PrefillDispatch,
     return d
 
 
-def prefill_wiring(cfg: ServiceConfig) -> tuple[KVTransport | None, Any]:
+def prefill_wiring(cfg: PrefillConfig) -> tuple[KVTransport | None, Any]:
     """(transport, intake) for a prefill worker: (None: the worker builds its own, and
     `accept_dispatch`), or on a test mesh the fault-injecting pair, its frame hook built
     into the real transport at construction."""

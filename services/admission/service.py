@@ -32,14 +32,14 @@ from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import tickets
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
-from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.config import AdmissionConfig
 from pdmesh.services.runtime.service import ServiceRuntime, counter_total, run_service
 
 log = logging.getLogger("pdmesh.admission")
 
 
 class AdmissionService:
-    def __init__(self, cfg: ServiceConfig, policy: AdmissionPolicy | None = None) -> None:
+    def __init__(self, cfg: AdmissionConfig, policy: AdmissionPolicy | None = None) -> None:
         self.cfg = cfg
         # The decision is injected: test meshes with faults allowed pass a policy that can
         # be told to skip the checks (services/faults.py); production uses LivePolicy.
@@ -241,6 +241,6 @@ class AdmissionService:
                           prefill_worker=prefill.worker_id)
 
 
-async def serve(cfg: ServiceConfig) -> None:
+async def serve(cfg: AdmissionConfig) -> None:
     svc = AdmissionService(cfg, faults.admission_policy(cfg))
     await run_service(svc.rt, svc.start)

@@ -32,7 +32,7 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import RequestState
 from pdmesh.services.protocol.tickets import TicketVerifier, verify_grant
-from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.config import ColocatedConfig
 from pdmesh.services.runtime.worker import run_worker
 
 log = logging.getLogger("pdmesh.colocated")
@@ -42,7 +42,7 @@ class LocalPrefill:
     """The colocated worker's KV intake: dispatches are prefilled into the reserved lease,
     one at a time. A dispatch that does not come within `prefill_stall_s` frees the lease."""
 
-    def __init__(self, cfg: ServiceConfig) -> None:
+    def __init__(self, cfg: ColocatedConfig) -> None:
         # The ticket names this worker twice; each role checks (and burns) it once.
         self.verifier = TicketVerifier(cfg.mesh_secret, cfg.worker_id, m.Role.PREFILL)
         self._dispatches: collections.deque[m.PrefillDispatch] = collections.deque()
@@ -156,10 +156,10 @@ class LocalPrefill:
         return logits
 
 
-def build(cfg: ServiceConfig) -> DecodeService:
+def build(cfg: ColocatedConfig) -> DecodeService:
     return DecodeService(cfg, intake=LocalPrefill(cfg),
                          advertised_roles=(m.Role.PREFILL, m.Role.DECODE))
 
 
-async def serve(cfg: ServiceConfig) -> None:
+async def serve(cfg: ColocatedConfig) -> None:
     await run_worker(build(cfg))

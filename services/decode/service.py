@@ -39,7 +39,7 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol.capacity import decode_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
-from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.config import DecodeConfig
 from pdmesh.services.runtime.service import counter_total
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
 from pdmesh.transports import (
@@ -145,7 +145,7 @@ class TransportIntake:
 class DecodeService(WorkerBase):
     role = m.Role.DECODE
 
-    def __init__(self, cfg: ServiceConfig, transport: KVTransport | None = None,
+    def __init__(self, cfg: DecodeConfig, transport: KVTransport | None = None,
                  intake: KVIntake | None = None,
                  advertised_roles: tuple[m.Role, ...] = (),
                  reply_delay: Callable[[Mapping[str, str] | None], float] | None = None
@@ -439,5 +439,5 @@ class DecodeService(WorkerBase):
             log.error("publishing to the stream of %s failed: %s", event.request_id, exc)
 
 
-async def serve(cfg: ServiceConfig) -> None:
+async def serve(cfg: DecodeConfig) -> None:
     await run_worker(DecodeService(cfg, reply_delay=faults.reserve_reply_delay(cfg)))

@@ -56,8 +56,10 @@ def setting() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("PDMESH_CACHE_DIR") or str(Path.home() / ".cache" / "pdmesh")
-    return Path(root) / "kernels"
+    # Imported here: checkpoint loads gguf and tokenizers, which only a build needs.
+    from pdmesh.services.engine.checkpoint import cache_dir
+
+    return cache_dir() / "kernels"
 
 
 def _cpu_flags() -> str:

@@ -1,6 +1,8 @@
 """The `pdmesh` command: `up`, `serve <service>`, `check`, `bench <what>`, `loadtest`.
 
 Every failure to start is one clear line on stderr and a non-zero exit, never a traceback.
+The settings flags come from services/runtime/settings.py: `pdmesh serve <role>` offers
+the role's own, `pdmesh up` the rows marked `up`, each role of the mesh handed its share.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from collections.abc import Sequence
 from pdmesh.services.protocol.errors import PdmeshError
 from pdmesh.services.runtime.config import (
     ALLOW_DEV_ENV,
-    ALLOW_DEV_HELP,
-    SETTINGS,
     ArgumentParser,
+    ServiceConfig,
     add_arguments,
     check_dev_credentials,
     dev_credentials,
+    env_value,
     resolve,
+    serve_settings,
+    up_settings,
 )
+from pdmesh.services.runtime.settings import COLOCATED, DECODE, GATEWAY, PREFILL, ROLES
 
 SERVE = {
     "admission": "pdmesh.services.admission.service",
@@ -41,9 +46,8 @@ BENCH = {
 PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak.run",
                "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.ops.natsauth",
                "certs": "pdmesh.services.ops.certs"}
-UP_FLAGS = ("nats_url", "gateway_port", "transport", "model", "mesh_secret", "tenants_file",
-            "max_context", "kv_tokens", "page_tokens", "scrub", "on_capacity_mismatch",
-            "served_model_name", "default_max_tokens", "max_n", "log_level")
+# The launcher hands these to the processes itself (each its own port, the NATS it started).
+UP_OWN = ("nats_url", "gateway_port")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -59,13 +63,11 @@ def _setup_logging(level: str) -> None:
 
 def cmd_serve(role: str, argv: Sequence[str]) -> int:
     parser = ArgumentParser(prog=f"pdmesh serve {role}")
-    add_arguments(parser)
-    parser.add_argument("--allow-dev-credentials", action="store_true", help=ALLOW_DEV_HELP)
+    add_arguments(parser, serve_settings(role))
     args = parser.parse_args(argv)
     try:
         cfg = resolve(role, args)
-        allow_dev = args.allow_dev_credentials or os.environ.get(ALLOW_DEV_ENV) == "1"
-        check_dev_credentials(cfg, allow_dev)
+        check_dev_credentials(cfg, _allow_dev(args))
     except PdmeshError as exc:
         return _fail(str(exc))
     _setup_logging(cfg.log_level)
@@ -81,6 +83,32 @@ def cmd_serve(role: str, argv: Sequence[str]) -> int:
     return 0
 
 
+def _allow_dev(args: object) -> bool:
+    return bool(getattr(args, "allow_dev_credentials", None)
+                or env_value("allow_dev_credentials"))
+
+
+def up_configs(args: object, colocated: bool) -> dict[str, ServiceConfig]:
+    """The config of every role the mesh runs, from `pdmesh up`'s flags (each role takes
+    the flags it uses) and the environment: every value is checked before anything
+    starts, and each role is handed only its own."""
+    roles = [r for r in ROLES if r not in ((PREFILL, DECODE) if colocated else (COLOCATED,))]
+    flags = [(s, getattr(args, s.field)) for s in up_settings() if s.roles]
+    return {role: resolve(role, {s.field: v for s, v in flags if role in s.roles})
+            for role in roles}
+
+
+def up_env(cfgs: dict[str, ServiceConfig], allow_dev: bool) -> dict[str, dict[str, str]]:
+    """By role, the env vars `pdmesh up` hands that role's processes: the values of its
+    flags the role uses (the launcher sets NATS and the ports itself)."""
+    env = {role: {s.env: str(getattr(cfg, s.field)) for s in up_settings()
+                  if role in s.roles and s.field not in UP_OWN} for role, cfg in cfgs.items()}
+    if allow_dev:
+        for role_env in env.values():
+            role_env[ALLOW_DEV_ENV] = "1"
+    return env
+
+
 def cmd_up(argv: Sequence[str]) -> int:
     # Lazy like every command's module: `pdmesh serve gateway` must not load the launcher.
     from pdmesh.services.ops.launcher import Launcher, run_up
@@ -88,21 +116,21 @@ def cmd_up(argv: Sequence[str]) -> int:
     parser = ArgumentParser(
         prog="pdmesh up", description="Run the whole mesh locally: embedded nats-server, "
         "admission, prefill, decode and gateway, each its own process.")
-    add_arguments(parser, only=UP_FLAGS)
+    add_arguments(parser, up_settings())
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
     parser.add_argument("--quiet", action="store_true", help="do not echo service logs")
     parser.add_argument("--colocated", action="store_true",
                         help="baseline mesh: one colocated worker (prefill + decode in one "
                         "process, no KV transfer) behind the same gateway and admission")
-    parser.add_argument("--allow-dev-credentials", action="store_true", help=ALLOW_DEV_HELP)
     parser.add_argument("--keep-going", action="store_true",
                         help="keep the mesh up when one service exits (fault-injection tests "
                         "kill workers on purpose); default: stop everything")
     args = parser.parse_args(argv)
-    allow_dev = args.allow_dev_credentials or os.environ.get(ALLOW_DEV_ENV) == "1"
+    allow_dev = _allow_dev(args)
     try:
-        cfg = resolve("gateway", args)
+        cfgs = up_configs(args, args.colocated)
+        cfg = cfgs[GATEWAY]  # its credentials are the mesh's: the secret and the tenants
         check_dev_credentials(cfg, allow_dev)  # before any process starts, one clear line
     except PdmeshError as exc:
         return _fail(str(exc))
@@ -110,12 +138,8 @@ def cmd_up(argv: Sequence[str]) -> int:
         return _fail("--prefill and --decode must be at least 1")
     if args.colocated and (args.prefill != 1 or args.decode != 1):
         return _fail("--colocated runs one colocated worker; drop --prefill/--decode")
-    env = {}
-    for s in SETTINGS:
-        if s.field in UP_FLAGS and s.field not in ("nats_url", "gateway_port"):
-            env[s.env] = str(getattr(cfg, s.field))
+    env = up_env(cfgs, allow_dev)
     if allow_dev:
-        env[ALLOW_DEV_ENV] = "1"
         for what in dev_credentials(cfg):
             print(f"pdmesh: --allow-dev-credentials: the mesh runs with {what}; "
                   "for local development only", flush=True)

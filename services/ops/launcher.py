@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,12 +105,12 @@ class Launcher:
     """Owns the child processes; `stop()` is idempotent and leaves nothing running."""
 
     def __init__(self, *, nats_url: str, gateway_port: int, prefill: int, decode: int,
-                 env: dict[str, str], quiet: bool = False, keep_going: bool = False,
-                 colocated: bool = False) -> None:
+                 env: Mapping[str, Mapping[str, str]], quiet: bool = False,
+                 keep_going: bool = False, colocated: bool = False) -> None:
         self.nats_url = nats_url
         self.gateway_port = gateway_port
         self.prefill, self.decode = prefill, decode
-        self.env = env
+        self.env = env  # by role: the settings of `pdmesh up` that role uses
         self.quiet = quiet
         self.keep_going = keep_going  # keep serving when a service exits (fault tests)
         self.colocated = colocated
@@ -138,7 +139,8 @@ class Launcher:
         if not self.nats_url:
             await self._start_nats()
         for spec in self.specs:
-            env = {**os.environ, **self.env, **spec.env, "PDMESH_NATS_URL": self.nats_url}
+            env = {**os.environ, **self.env.get(spec.role, {}), **spec.env,
+                   "PDMESH_NATS_URL": self.nats_url}
             ident = self.identities.get(spec.name)
             if ident is not None:
                 env.update(PDMESH_WORKER_ID=ident.user, PDMESH_NATS_USER=ident.user,

@@ -46,7 +46,7 @@ from pdmesh.services.protocol import tickets
 from pdmesh.services.protocol.capacity import prefill_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
-from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.config import PrefillConfig
 from pdmesh.services.runtime.service import counter_total
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
 from pdmesh.transports import KVTransport, PagesReady, Reason, TransferError, TransferPlan
@@ -159,7 +159,7 @@ class PrefillJob:
 class PrefillService(WorkerBase):
     role = m.Role.PREFILL
 
-    def __init__(self, cfg: ServiceConfig, transport: KVTransport | None = None,
+    def __init__(self, cfg: PrefillConfig, transport: KVTransport | None = None,
                  intake: DispatchIntake = faults.accept_dispatch) -> None:
         super().__init__(cfg, transport)
         self.intake = intake
@@ -555,6 +555,6 @@ class PrefillService(WorkerBase):
             log.warning("flushing the cache info event of %s failed: %s", rid, exc)
 
 
-async def serve(cfg: ServiceConfig) -> None:
+async def serve(cfg: PrefillConfig) -> None:
     transport, intake = faults.prefill_wiring(cfg)
     await run_worker(PrefillService(cfg, transport, intake))

@@ -28,7 +28,7 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol.capacity import audit_capacity
 from pdmesh.services.protocol.errors import StartupError
 from pdmesh.services.protocol.tickets import TicketVerifier
-from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.config import WorkerConfig
 from pdmesh.services.runtime.service import ServiceRuntime, counter_total, run_service
 from pdmesh.transports import KVTransport, make_service_transport, stop_ucx_notifier
 
@@ -73,7 +73,7 @@ class DataPlaneCollector:
                 "lent again", value=retired)
 
 
-def make_worker_transport(cfg: ServiceConfig) -> KVTransport:
+def make_worker_transport(cfg: WorkerConfig) -> KVTransport:
     return make_service_transport(cfg.transport, host=cfg.data_host, port=cfg.data_port,
                                   progress_timeout_s=cfg.transfer_progress_s,
                                   ucx_error_mode=cfg.ucx_error_mode)
@@ -86,7 +86,7 @@ class WorkerBase:
     # Roles announced in heartbeats; a colocated worker announces prefill and decode.
     advertised_roles: tuple[m.Role, ...] = ()
 
-    def __init__(self, cfg: ServiceConfig, transport: KVTransport | None = None) -> None:
+    def __init__(self, cfg: WorkerConfig, transport: KVTransport | None = None) -> None:
         self.cfg = cfg
         if cfg.torch_threads:
             # Workers sharing a host should split its cores: oversubscribed torch threads
