@@ -215,8 +215,9 @@ def test_no_import_cycles_hidden_in_functions() -> None:
 _OPEN = ("pdmesh.services.protocol", "pdmesh.kvstore.spec")
 _TORCH_FREE_ENGINE = ("pdmesh.services.engine.config", "pdmesh.services.engine.tokenizer",
                       "pdmesh.services.engine.checkpoint")
-_WORKER_DEPS = ("pdmesh.services.runtime", "pdmesh.services.engine", "pdmesh.kvstore",
-                "pdmesh.transports", "pdmesh.services.faults")
+_WORKER_BASE = ("pdmesh.services.runtime", "pdmesh.services.engine", "pdmesh.kvstore",
+                "pdmesh.transports")
+_WORKER_DEPS = (*_WORKER_BASE, "pdmesh.services.faults")  # a role's serve() wires faults
 LAYERS: dict[str, tuple[str, ...]] = {
     "pdmesh.kvstore": ("pdmesh.kvstore",),
     "pdmesh.transports": ("pdmesh.transports",),
@@ -226,7 +227,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "pdmesh.services.runtime.config": ("pdmesh.services.runtime.config",
                                        "pdmesh.services.runtime.settings"),
     "pdmesh.services.runtime.service": ("pdmesh.services.runtime.config",),
-    "pdmesh.services.runtime.worker": _WORKER_DEPS[:4],
+    "pdmesh.services.runtime.worker": _WORKER_BASE,
     "pdmesh.services.faults": ("pdmesh.services.runtime.config", "pdmesh.transports",
                                "pdmesh.services.admission.policy"),
     "pdmesh.services.admission": ("pdmesh.services.admission", "pdmesh.services.runtime.config",

@@ -195,12 +195,21 @@ def _coerce(s: Setting, raw: Any, source: str) -> Any:
     return value
 
 
+def _value(s: Setting, given: Any, env: Mapping[str, str]) -> tuple[Any, str | None]:
+    """A setting's value by precedence (flag, env var, default) and the flag or env var it
+    came from (None: the default)."""
+    if given is not None:
+        return _coerce(s, given, s.flag or s.field), s.flag
+    raw = env.get(s.env, "")
+    if raw != "":
+        return _coerce(s, raw, s.env), s.env
+    return s.default, None
+
+
 def env_value(field: str, env: Mapping[str, str] | None = None) -> Any:
     """A process-level setting (one no config carries) read from the environment alone."""
     s = BY_FIELD[field]
-    env = os.environ if env is None else env
-    raw = env.get(s.env, "")
-    value = s.default if raw == "" else _coerce(s, raw, s.env)
+    value, _ = _value(s, None, os.environ if env is None else env)
     if s.check is not None and (problem := s.check(value)):
         raise _error(s, value, problem, s.env)
     return value
@@ -239,15 +248,7 @@ def _build(role: str, args: argparse.Namespace | Mapping[str, Any] | None,
     values: dict[str, Any] = {"role": role}
     sources: dict[str, str | None] = {}
     for s in own:
-        if given.get(s.field) is not None:
-            sources[s.field] = s.flag
-            values[s.field] = _coerce(s, given[s.field], s.flag or s.field)
-        elif env.get(s.env, "") != "":
-            sources[s.field] = s.env
-            values[s.field] = _coerce(s, env[s.env], s.env)
-        else:
-            sources[s.field] = None
-            values[s.field] = s.default
+        values[s.field], sources[s.field] = _value(s, given.get(s.field), env)
     derived = _role_defaults(role, values)
     # What a derived value came from is checked first: a bad --gateway-port is named as such.
     for s in sorted(own, key=lambda s: s.field in derived):

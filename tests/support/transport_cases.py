@@ -1,16 +1,23 @@
-"""Helpers of the transport conformance suite: pages, a transfer case, and the check that
-a failed transfer left each page untouched or poisoned."""
+"""Helpers of the transport conformance suite: which transports this install has, pages, a
+transfer case, and the check that a failed transfer left each page untouched or poisoned."""
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 
 import numpy as np
 
 from pdmesh.transports import POISON_BYTE, ExpectedTransfer, TransferError, TransferPlan
+from pdmesh.transports._nixl_build import INSTALL_HINT, NIXL_MODULES, nixl_module
 from pdmesh.transports.framing import transfer_key
 
 SECRET = "conformance-mesh-secret"
+HAVE_UCX = (importlib.util.find_spec("ucxx") is not None
+            or importlib.util.find_spec("ucp") is not None)
+HAVE_NIXL = nixl_module() is not None
+NO_NIXL = f"none of {', '.join(NIXL_MODULES)} is importable ({INSTALL_HINT})"
+PROGRESS_S = 0.5  # the suite's progress timeout: a stalled peer fails within it
 
 
 class Pages:

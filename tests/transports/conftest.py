@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 
 import pytest
 
 from pdmesh.transports import make_transport
-from pdmesh.transports._nixl_build import INSTALL_HINT, NIXL_MODULES, nixl_module
+from tests.support.transport_cases import HAVE_NIXL, HAVE_UCX, NO_NIXL, PROGRESS_S
 
 os.environ.setdefault("UCX_TLS", "tcp")
-HAVE_UCX = (importlib.util.find_spec("ucxx") is not None
-            or importlib.util.find_spec("ucp") is not None)
-HAVE_NIXL = nixl_module() is not None
-NO_NIXL = f"none of {', '.join(NIXL_MODULES)} is importable ({INSTALL_HINT})"
-PROGRESS_S = 0.5
 
 
 @pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.ucx),

@@ -33,8 +33,7 @@ from pdmesh.transports.framing import (
     transfer_key,
 )
 from pdmesh.transports.receiver import ReceiveTable
-from tests.support.transport_cases import make_case
-from tests.transports.conftest import HAVE_UCX, PROGRESS_S
+from tests.support.transport_cases import HAVE_UCX, PROGRESS_S, make_case
 
 
 def test_deferred_frames_carry_no_checksum_and_the_commit_covers_every_page():

@@ -16,8 +16,7 @@ import socket
 from pdmesh.transports import make_transport
 from pdmesh.transports.core import build_frames, parse_address
 from pdmesh.transports.framing import reservation_bytes
-from tests.support.transport_cases import make_case
-from tests.transports.conftest import PROGRESS_S
+from tests.support.transport_cases import PROGRESS_S, make_case
 
 PAGES = 32
 PAGE_BYTES = 1024  # 32 frames and the commit: ~35 KB, well within a fresh link's window

@@ -22,8 +22,7 @@ import pytest
 
 from pdmesh.transports import Reason, TransferError, make_transport
 from pdmesh.transports.framing import Kind, encode_header, reservation_bytes
-from tests.support.transport_cases import make_case
-from tests.transports.conftest import PROGRESS_S
+from tests.support.transport_cases import PROGRESS_S, make_case
 
 # The transport's own verdict: it imports whichever NIXL build is installed (nixl_cu12,
 # nixl_cu13), and its error names the extras to install.

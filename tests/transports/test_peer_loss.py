@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdmesh.transports import ExpectedTransfer, Reason, TransferError, TransferPlan
-from tests.support.transport_cases import Pages
-from tests.transports.conftest import PROGRESS_S
+from tests.support.transport_cases import PROGRESS_S, Pages
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER = ROOT / "tests" / "support" / "transport_peer.py"

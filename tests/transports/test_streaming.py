@@ -44,8 +44,7 @@ from pdmesh.transports.framing import (
     reservation_bytes,
 )
 from pdmesh.transports.receiver import ReceiveTable
-from tests.support.transport_cases import assert_untouched_or_poisoned, make_case
-from tests.transports.conftest import PROGRESS_S
+from tests.support.transport_cases import PROGRESS_S, assert_untouched_or_poisoned, make_case
 
 DRAFT = 0x3C  # what a page holds before it is final (a chunk still being computed)
 

@@ -29,8 +29,7 @@ import pytest
 
 from pdmesh.transports import make_transport
 from pdmesh.transports.ucx import ERROR_MODE_ENV, data_error_mode
-from tests.support.transport_cases import make_case
-from tests.transports.conftest import HAVE_UCX, PROGRESS_S
+from tests.support.transport_cases import HAVE_UCX, PROGRESS_S, make_case
 
 pytestmark = [pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx is not importable")]
 
