@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2
 ARGS ?=
 
-.PHONY: up test test-fast test-compose test-multihost test-long lint bench clean venv
+.PHONY: up test test-fast test-fuzz test-compose test-multihost test-long lint bench clean venv
 
 $(VENV)/bin/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pdmesh needs Python >= 3.11 (3.11 is what CI tests; README: Supported Python); $(PYTHON) is " + sys.version.split()[0])'
@@ -60,6 +60,11 @@ test-multihost: $(VENV)/.installed-test
 test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
 	  tests/gateway/test_long_context.py $(ARGS)
+
+## make test-fuzz: the trust-boundary fuzzers at 10,000 cases each (`make test` draws 1,000).
+test-fuzz: $(VENV)/.installed-test
+	PDMESH_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=5 \
+	  tests/isolation/test_fuzz.py $(ARGS)
 
 ## make test-compose: build the image and run the lab stack for real under dockerd (root).
 test-compose: $(VENV)/.installed-test

@@ -29,8 +29,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _argv(double, out: Path, *extra: str) -> list[str]:
+    # The request count bounds these runs; the duration only guards against a hang (a
+    # short one cut issuing short when the machine paused the loop for two seconds).
     return ["--base-url", double.base_url, "--api-keys", ",".join(double.api_keys),
-            "--num-requests", "12", "--duration", "2", "--drain-timeout", "5",
+            "--num-requests", "12", "--duration", "60", "--drain-timeout", "5",
             "--input-len-dist", "uniform", "--input-len-min", "50", "--input-len-max", "300",
             "--output-len", "16", "--over-capacity-fraction", "0.25",
             "--output-dir", str(out), "--no-progress", *extra]
