@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 
@@ -340,6 +341,9 @@ async def _connect(cfg: NatsConfig, timeout_s: float) -> Any:
     extra: dict[str, Any] = {}
     if cfg.nats_user:
         extra.update(user=cfg.nats_user, password=cfg.nats_password or None)
+    # Replies come to this user's own inbox (each NATS user may read only its own).
+    user = cfg.nats_user or (unquote(urlsplit(servers[0]).username or "") if servers else "")
+    extra["inbox_prefix"] = m.inbox_prefix(user)
     if cfg.nats_tls_ca:
         extra.update(tls=ssl.create_default_context(cafile=cfg.nats_tls_ca),
                      tls_handshake_first=True)

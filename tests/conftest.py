@@ -5,9 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import hypothesis  # noqa: F401 - see below
 import pytest
 
 from tests.support.meshproc import Mesh, NatsServer, mesh_env, run_mesh
+
+# Imported here, at collection, not first by hypothesis's plugin in the terminal summary:
+# CPython 3.11's AST constructor keeps its recursion depth in a global, so pytest's
+# assertion rewriting (ast.parse) of a module imported while a leftover thread of a test
+# parses too can fail the whole run with "AST constructor recursion depth mismatch".
 
 # Every process the suite starts runs with the dev mesh secret and dev tenants, as `make up`
 # does (tests/ops/test_launcher.py checks that a start without this is refused).

@@ -6,7 +6,9 @@ reserve / release subjects and publish only its own heartbeat, so it can neither
 another worker's reservations nor forge another worker's liveness; the gateway can submit
 and abort but cannot publish a dispatch, a reservation or a heartbeat; the `tools` user
 (`pdmesh check`, tests) only reads heartbeats and asks for stats. Replies to requests go
-through NATS's `allow_responses` (a responder may answer only the requests it received).
+through NATS's `allow_responses` (a responder may answer only the requests it received),
+into the requester's own inbox: each user subscribes to `_INBOX.<user>.>` only and connects
+with that `inbox_prefix` (`messages.inbox_prefix()`), so no identity can read another's replies.
 
 `pdmesh up` makes fresh identities for every run (`mesh_identities`) and starts its embedded
 nats-server with `server_config(...)`; each service gets its user and password through
@@ -48,7 +50,6 @@ ROUTE_USER, ROUTE_PORT = "route", 6222  # NATS cluster routes (multi-host)
 HANDSHAKE_FIRST_FALLBACK = "300ms"  # clients that do not start with TLS wait this long
 COMPOSE_SECRETS = "/run/secrets"  # where compose mounts the secrets in a container
 ANY_WORKER = "*"  # a role-level user's worker id: one NATS token, any worker of the role
-INBOX = "_INBOX.>"  # nats-py's reply subjects: every requester subscribes here
 # The largest NATS message the mesh's servers accept (nats-server's default is 1 MiB). A
 # control message carries the prompt's token ids (msgpack: at most 5 bytes each), so the
 # largest, a PrefillDispatch at MAX_CONTEXT_TOKENS (prompt, the repetition penalty's
@@ -77,41 +78,44 @@ class Identity:
         return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-def permissions(role: str, worker_id: str) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
-    """(publish, subscribe, allow_responses) for one process of `role`."""
+def permissions(role: str, worker_id: str,
+                user: str | None = None) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """(publish, subscribe, allow_responses) for one process of `role` whose NATS user is
+    `user` (default: `worker_id`)."""
+    inbox = f"{m.inbox_prefix(user or worker_id)}.>"  # guard: private-inbox
     hb_prefill = m.heartbeat_subject("prefill", "*")
     stats_own = (m.stats_subject(role, worker_id),)
     tokens_any = m.tokens_subject("*")
     if role == "gateway":
         return ((m.SUBMIT_SUBJECT, m.ABORT_SUBJECT),
-                (m.HEARTBEAT_WILDCARD, m.tokens_subject("*"), INBOX), False)
+                (m.HEARTBEAT_WILDCARD, m.tokens_subject("*"), inbox), False)
     if role == "admission":
         return ((m.reserve_subject("*"), m.dispatch_subject("*"), m.ABORT_SUBJECT),
-                (m.SUBMIT_SUBJECT, m.UNREACHABLE_SUBJECT, m.HEARTBEAT_WILDCARD, INBOX,
+                (m.SUBMIT_SUBJECT, m.UNREACHABLE_SUBJECT, m.HEARTBEAT_WILDCARD, inbox,
                  *stats_own), True)
     if role == "prefill":
         return ((m.heartbeat_subject("prefill", worker_id), m.release_subject("*"),
                  tokens_any, m.UNREACHABLE_SUBJECT),
-                (m.dispatch_subject(worker_id), m.ABORT_SUBJECT, INBOX, *stats_own), True)
+                (m.dispatch_subject(worker_id), m.ABORT_SUBJECT, inbox, *stats_own), True)
     if role == "decode":
         return ((m.heartbeat_subject("decode", worker_id), tokens_any),
                 (m.reserve_subject(worker_id), m.release_subject(worker_id), m.ABORT_SUBJECT,
-                 hb_prefill, INBOX, *stats_own), True)
+                 hb_prefill, inbox, *stats_own), True)
     if role == "colocated":
         # Heartbeats and stats as both roles (it advertises both).
         return ((m.heartbeat_subject("prefill", worker_id),
                  m.heartbeat_subject("decode", worker_id), tokens_any),
                 (m.dispatch_subject(worker_id), m.reserve_subject(worker_id),
-                 m.release_subject(worker_id), m.ABORT_SUBJECT, hb_prefill, INBOX,
+                 m.release_subject(worker_id), m.ABORT_SUBJECT, hb_prefill, inbox,
                  m.stats_subject("prefill", worker_id), m.stats_subject("decode", worker_id)),
                 True)
     if role == "tools":
-        return ((f"{m.STATS_SUBJECT}.>",), (m.HEARTBEAT_WILDCARD, INBOX), False)
+        return ((f"{m.STATS_SUBJECT}.>",), (m.HEARTBEAT_WILDCARD, inbox), False)
     raise ValueError(f"no NATS permissions defined for role {role!r}")
 
 
 def identity(role: str, worker_id: str, user: str | None = None) -> Identity:
-    publish, subscribe, responses = permissions(role, worker_id)
+    publish, subscribe, responses = permissions(role, worker_id, user)
     return Identity(user=user or worker_id, password=secrets.token_urlsafe(24),
                     publish=publish, subscribe=subscribe, allow_responses=responses)
 

@@ -48,6 +48,14 @@ def stats_subject(role: str, worker_id: str) -> str:
     return f"{STATS_SUBJECT}.{role}.{worker_id}"
 
 
+def inbox_prefix(nats_user: str) -> str:
+    """The reply-subject prefix of NATS user `nats_user` (nats-py's `inbox_prefix`): each
+    identity may subscribe to its own replies only (services/ops/natsauth.py), so none reads
+    another's `Admitted`, `Reserved` or stats reply. A client without a user keeps NATS's
+    default `_INBOX`."""
+    return f"_INBOX.{nats_user}" if nats_user else "_INBOX"
+
+
 # ---------------------------------------------------------------------------------------
 # Codes
 # ---------------------------------------------------------------------------------------

@@ -134,6 +134,7 @@ class ServiceRuntime:
                 await asyncio.wait_for(self.nc.connect(
                     servers=self.cfg.nats_servers, name=f"{self.role}:{self.worker_id}",
                     user=self.cfg.nats_user or None, password=self.cfg.nats_password or None,
+                    inbox_prefix=m.inbox_prefix(self.cfg.nats_user),
                     # With a CA: TLS before anything else, so a server (or a man in the
                     # middle) that does not offer TLS never sees the password in clear.
                     tls=tls, tls_handshake_first=tls is not None,  # guard: tls-first

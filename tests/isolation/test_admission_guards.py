@@ -7,6 +7,7 @@ import time
 import pytest
 
 from pdmesh.services.protocol import messages as m
+from tests.support import meshstats
 from tests.support.meshproc import Mesh
 from tests.support.meshstats import counter, heartbeats, worker_stats
 from tests.support.oracle import expected_text
@@ -85,7 +86,6 @@ def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
     import asyncio
 
     import msgspec
-    import nats
 
     from pdmesh.services.protocol.tickets import sign
 
@@ -94,7 +94,7 @@ def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
     async def reserve(ticket: m.AdmittedTicket) -> m.ReserveReply:
         # An insider with admission's NATS identity (the only one allowed to reserve) but
         # without the mesh secret.
-        nc = await nats.connect(mesh.nats_url_for("admission"))
+        nc = await meshstats.connect(mesh.nats_url_for("admission"))
         try:
             reply = await nc.request(m.reserve_subject(decode.worker_id),
                                      m.encode(m.ReserveRequest(ticket=ticket)), timeout=3)

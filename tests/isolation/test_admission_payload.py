@@ -33,6 +33,7 @@ async def _client(server: NatsServer, ident: natsauth.Identity, errors: list[str
         errors.append(str(exc))
 
     return await nats.connect(ident.url(server.url), error_cb=on_error,
+                              inbox_prefix=m.inbox_prefix(ident.user),
                               allow_reconnect=False, connect_timeout=2)
 
 

@@ -12,6 +12,7 @@ import time
 import nats
 
 from pdmesh.services.protocol import messages as m
+from tests.support import meshstats
 
 
 class MeshWorkers:
@@ -25,7 +26,7 @@ class MeshWorkers:
     @classmethod
     async def connect(cls, nats_url: str, timeout_s: float = 5.0) -> MeshWorkers:
         """Connect and wait for at least one prefill and one decode heartbeat."""
-        nc = await nats.connect(nats_url)
+        nc = await meshstats.connect(nats_url)
         workers: dict[str, m.Role] = {}
         beats = m.Decoder(m.Heartbeat)
 

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import unquote, urlsplit
 
 import nats
 
 from pdmesh.services.protocol import messages as m
+
+
+async def connect(nats_url: str, **kwargs) -> nats.NATS:
+    """nats.connect with the inbox prefix of the URL's user (each NATS user may read only its
+    own replies: services/ops/natsauth.py)."""
+    user = unquote(urlsplit(nats_url.split(",")[0]).username or "")
+    return await nats.connect(nats_url, inbox_prefix=m.inbox_prefix(user), **kwargs)
 
 
 async def _heartbeats(nc: nats.NATS, listen_s: float) -> dict[str, m.Heartbeat]:
@@ -25,7 +33,7 @@ async def _heartbeats(nc: nats.NATS, listen_s: float) -> dict[str, m.Heartbeat]:
 
 
 async def _heartbeats_at(nats_url: str, listen_s: float) -> dict[str, m.Heartbeat]:
-    nc = await nats.connect(nats_url)
+    nc = await connect(nats_url)
     try:
         return await _heartbeats(nc, listen_s)
     finally:
@@ -38,7 +46,7 @@ def heartbeats(nats_url: str, listen_s: float = 1.2) -> dict[str, m.Heartbeat]:
 
 
 async def _stats(nats_url: str, listen_s: float) -> dict[str, m.StatsReply]:
-    nc = await nats.connect(nats_url)
+    nc = await connect(nats_url)
     try:
         beats = await _heartbeats(nc, listen_s)
         out: dict[str, m.StatsReply] = {}
@@ -55,7 +63,7 @@ async def _stats(nats_url: str, listen_s: float) -> dict[str, m.StatsReply]:
 
 
 async def _query(nats_url: str, workers: list[tuple[m.Role, str]]) -> list[m.StatsReply]:
-    nc = await nats.connect(nats_url)
+    nc = await connect(nats_url)
     out = []
     try:
         dec = m.Decoder(m.StatsReply)
