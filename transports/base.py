@@ -30,7 +30,7 @@ class ExpectedTransfer:
 
     `deadline_s` is a duration in seconds counted from `expect()`; when it passes without a
     verified commit the future fails with DEADLINE. `key` authenticates every frame of the
-    transfer (`framing.transfer_key(mesh_secret, reservation_id, epoch)`; the sender's plan
+    transfer (`framing.transfer_key(data_key, reservation_id, epoch)`; the sender's plan
     carries the same key); the empty default is for tests only. Only the first
     ceil(num_tokens / page_tokens) pages are written; the rest of the lease stays untouched.
     """
@@ -187,6 +187,16 @@ class PagesReady:
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+class PeerUnreachable(TransferError):
+    """A send refused at link set-up, before any frame, because the receiver cannot take a
+    transfer now (nixl: it has no staging region to lend). Reason PEER_LOST; `unreachable`
+    is True. The receiver reports not ready (`accepting` False) meanwhile."""
+
+    @property
+    def unreachable(self) -> bool:
+        return True
 
 
 # on_event(event, reservation_id, reason): event is one of "committed", "failed", "sent",

@@ -71,3 +71,12 @@ class TransferError(Exception):
         self.reason = reason
         self.detail = detail
         self.pages_poisoned = pages_poisoned
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether the send failed because the receiver cannot be reached or cannot take a
+        transfer now (a connect failure: PEER_LOST, detail `connect <address>: ...`; or a
+        `PeerUnreachable` refusal), not because of this transfer: the caller routes around
+        that receiver (admission sets it aside) instead of sending it the next one."""
+        connect = self.detail.startswith("connect ")  # the transports' connect failures
+        return self.reason is Reason.PEER_LOST and connect  # guard: transport-unreachable

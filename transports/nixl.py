@@ -17,13 +17,20 @@ When a transfer needs more slots than the region has, the receiver returns credi
 header with `aux` -1 and `page_index` = pages copied) and the sender writes slot k again
 only after the page that used it was copied.
 
-A staging region is never freed, nor lent to another link, while a write into it may still
-come: when its link ends it is *retired* and becomes free again only when the sender's
-NIXL notification `pdmesh-nixl-release:<token>` arrives, which the sender sends once every
+A region is lent on a link proof (below), one region per proof: a later link proving the
+same reservation (id and epoch) is lent that same region, taken back from its retired
+state or from the older link holding it (which ends), so a sender that reopens its link
+gets the region again and links proving one reservation over and over hold one region
+between them. A region is not lent on another proof while a write into it may still come:
+when its link ends it is *retired* and becomes free again when the sender's NIXL
+notification `pdmesh-nixl-release:<token>` arrives, which the sender sends once every
 write it posted into that region has completed (or failed); a sender that never sends it
-(crashed, partitioned) leaves the region retired for the life of the transport
-(`staging_retired`). Measured here: a NIXL/UCX write into memory the receiver had already
-deregistered still lands (`UCX_TLS=tcp`), so deregistering is no fence.
+(crashed, partitioned) leaves the region retired (`staging_retired`) for `retired_s`, after
+which it may be lent again: a late WRITE of that sender then lands in staging only, and
+one that lands in a slot before the receiver copied it fails that page's checksum (the
+transfer fails, the page is poisoned). Measured here: a NIXL/UCX write into memory the
+receiver had already deregistered still lands (`UCX_TLS=tcp`), so deregistering is no
+fence.
 
 Link set-up, before the first frame (the receiver bounds it like a header): the sender sends
 `PDNXHI02`, its agent name (u16 length + bytes); the receiver answers `PDNXCH01` and an
@@ -33,11 +40,14 @@ reservation's key. The receiver checks it against its live expectations (`Receiv
 vouch`): only then does it answer `PDNXOK01`, its partial NIXL metadata for the region (u32
 length + bytes), the region's address and length (u64 each) and a 16-byte release token,
 or `PDNXNO01` + a reason when it has no region to lend (`max_staging` regions exist and
-none is free). A proof that fails is answered `PDNXNR01` + the reason (u16:
-UNAUTHENTICATED, UNKNOWN_RESERVATION or why it ended, BAD_HEADER for a wrong nonce) + a
-detail, and the link ends: whoever cannot prove a live reservation's key never learns where
-a region is nor gets the metadata to WRITE into it (a write cannot be refused, and XXH3
-page checksums are not collision-resistant, so a region's holder must be a proven sender).
+none is free): that send fails with `PeerUnreachable` (PEER_LOST, `unreachable`: a
+receiver to route around, as one that cannot be connected to), and while no region can be
+lent `accepting` is False (the worker reports not ready). A proof that fails is answered
+`PDNXNR01` + the reason (u16: UNAUTHENTICATED, UNKNOWN_RESERVATION or why it ended,
+BAD_HEADER for a wrong nonce) + a detail, and the link ends: whoever cannot prove a live
+reservation's key never learns where a region is nor gets the metadata to WRITE into it (a
+write cannot be refused, and XXH3 page checksums are not collision-resistant, so a
+region's holder must be a proven sender).
 The sender bounds the set-up as a whole by max(2 x `progress_timeout_s`, 1.5 s), and the
 link's first WRITE by the same (UCX connects to the receiver's agent then: 21 ms median
 here, against 0.05-0.5 ms for later WRITEs, which get `progress_timeout_s`).
@@ -65,7 +75,7 @@ import numpy as np
 
 from ._nixl_build import INSTALL_HINT, NIXL_MODULES, nixl_module
 from ._sock import RawSocket, StalledError
-from .base import EventCallback, PagesReady, TransferAck, TransferPlan
+from .base import EventCallback, PagesReady, PeerUnreachable, TransferAck, TransferPlan
 from .core import Cut, Frame, FrameFilter, LoopTurns, reason_of
 from .errors import FrameError, Reason, TransferError
 from .framing import (
@@ -151,6 +161,8 @@ class _Region:
     token: bytes = b""
     owner: str = ""  # the agent name of the sender it is lent to
     released: bool = False  # the owner said no write of its can still land
+    proof: tuple[bytes, int] = (b"", 0)  # (reservation, epoch) of the link set-up it was lent on
+    retired_at: float = 0.0  # when its last link ended without a release (monotonic)
 
 
 @dataclasses.dataclass(eq=False)
@@ -175,29 +187,37 @@ class NixlTransport(TcpTransport):
     """KVTransport with page bytes moved by NIXL WRITE into receiver-owned staging; see the
     module docstring. Options: `staging_bytes` (one region, lent per inbound link; a page
     must fit), `max_staging` (regions that may exist at once), `quarantine_s` (how long the
-    sender waits for a posted write to end before it gives the region up as unknown)."""
+    sender waits for a posted write to end before it gives the region up as unknown),
+    `retired_s` (how long a region whose sender never released it stays retired before it
+    may be lent again)."""
 
     scheme = "nixl"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  progress_timeout_s: float = 0.75, staging_bytes: int = 64 << 20,
-                 max_staging: int = 32, quarantine_s: float = 5.0,
+                 max_staging: int = 32, quarantine_s: float = 5.0, retired_s: float = 60.0,
                  on_event: EventCallback | None = None,
                  frame_filter: FrameFilter | None = None) -> None:
         if nixl_agent is None:
             raise RuntimeError(f"nixl transport unavailable: {nixl_import_error}")
         if staging_bytes <= 0 or max_staging <= 0:
             raise ValueError("staging_bytes and max_staging must be positive")
+        if retired_s <= 0:
+            raise ValueError("retired_s must be positive")
+        self._listening = True  # (the `accepting` of TcpTransport: the listener accepts)
         super().__init__(host, port, progress_timeout_s=progress_timeout_s,
                          on_event=on_event, frame_filter=frame_filter)
         self.staging_bytes = staging_bytes
         self.max_staging = max_staging
         self.quarantine_s = quarantine_s
+        self.retired_s = retired_s
         self.name = f"pdmesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._agent = None
         self._free: list[_Region] = []
         self._lent: dict[RawSocket, _Region] = {}  # inbound link -> its region
         self._retired: dict[bytes, _Region] = {}  # token -> region waiting for a release
+        # (reservation, epoch) of a link proof -> the one region lent on it (lent or retired)
+        self._proofs: dict[tuple[bytes, int], _Region] = {}
         self._regions = 0
         self._out: dict[RawSocket, _Outbound] = {}  # outbound link -> its staging
         self._busy_until = 0.0  # progress NIXL often until then (monotonic)
@@ -205,8 +225,19 @@ class NixlTransport(TcpTransport):
 
     @property
     def staging_retired(self) -> int:
-        """Regions whose last link ended without the sender's release (held, never reused)."""
+        """Regions whose last link ended without the sender's release (not lent meanwhile)."""
         return len(self._retired)
+
+    @property
+    def accepting(self) -> bool:
+        """Whether a new sender can be served: the listener accepts (TcpTransport) and a
+        staging region can be lent to a link proving a reservation not lent one yet. The
+        worker reports not ready while this is False, so no transfer is routed here."""
+        return self._listening and self._can_lend()  # guard: nixl-staging-ready
+
+    @accepting.setter
+    def accepting(self, value: bool) -> None:
+        self._listening = value
 
     async def start(self) -> str:
         if self._agent is None:
@@ -221,24 +252,85 @@ class NixlTransport(TcpTransport):
         return self.address
 
     # -- receiver: staging regions -------------------------------------------------------
-    def _lend(self, owner: str) -> _Region | None:
-        if self._free:
-            region = self._free.pop()
-        elif self._regions < self.max_staging:
-            array = np.zeros(self.staging_bytes, np.uint8)
-            reg = self._agent.register_memory([(array.ctypes.data, array.nbytes, 0, "")],
-                                              "DRAM")
-            region = _Region(array, reg)
-            self._regions += 1
+    def _can_lend(self) -> bool:
+        """A region is free, may still be made, or was retired `retired_s` ago."""
+        return bool(self._free or self._regions < self.max_staging or self._expired())
+
+    def _expired(self) -> _Region | None:
+        """The region retired longest ago, if that was `retired_s` ago or more."""
+        oldest = min(self._retired.values(), key=lambda r: r.retired_at, default=None)
+        if oldest is not None and time.monotonic() - oldest.retired_at >= self.retired_s:
+            return oldest
+        return None
+
+    def _lend(self, owner: str, proof: tuple[bytes, int]) -> _Region | None:
+        """A region for a link whose set-up proved `proof` (reservation, epoch). One region
+        per proof: the region already lent on it is lent again (taken back from its
+        retired state, or from the older link holding it, which ends), so links proving
+        one reservation over and over hold one region between them. Else a free region, a
+        new one (up to `max_staging`), or the region retired longest ago once `retired_s`
+        passed (a late WRITE of its former sender can then land only in staging, where
+        the copy's page checksum fails the transfer it disturbs); None when none is."""
+        held = self._proofs.get(proof)
+        if held is not None and self._take_back(held):  # guard: nixl-staging-per-reservation
+            region = held
         else:
-            return None
+            region = self._spare()
+            if region is None:
+                return None
+            self._forget(region)
+            region.proof = proof
+            self._proofs[proof] = region
         region.token, region.owner, region.released = secrets.token_bytes(16), owner, False
         return region
 
+    def _spare(self) -> _Region | None:
+        if self._free:
+            return self._free.pop()
+        if self._regions < self.max_staging:
+            array = np.zeros(self.staging_bytes, np.uint8)
+            reg = self._agent.register_memory([(array.ctypes.data, array.nbytes, 0, "")],
+                                              "DRAM")
+            self._regions += 1
+            return _Region(array, reg)
+        region = self._expired()
+        if region is not None:
+            del self._retired[region.token]
+            log.warning("nixl: staging region of %s not released within %ss; lent again",
+                        region.owner, self.retired_s)
+        return region
+
+    def _take_back(self, region: _Region) -> bool:
+        """Detach `region` (lent on a proof being made again) from its retired state or from
+        the link holding it, whose serving task is cancelled (the link ends). False when
+        that link now carries another reservation (the proof's transfer ended there)."""
+        if self._retired.get(region.token) is region:
+            del self._retired[region.token]
+            return True
+        link = next((c for c, r in self._lent.items() if r is region), None)
+        if link is None:
+            return False
+        conn_id = next((i for i, c in self._links.items() if c is link), None)
+        slot = self._table.bound_slot(conn_id) if conn_id is not None else None
+        if slot is not None and slot.key != region.proof[0]:
+            return False
+        del self._lent[link]  # its end retires nothing: the region is lent on
+        task = self._link_tasks.get(conn_id) if conn_id is not None else None
+        if task is not None:  # (else its task was cancelled already: it is ending)
+            task.cancel()  # its `finally` fails what it carried and closes it
+        return True
+
+    def _forget(self, region: _Region) -> None:
+        """The region is no longer the one lent on its proof."""
+        if self._proofs.get(region.proof) is region:
+            del self._proofs[region.proof]
+
     def _retire(self, region: _Region) -> None:
         if region.released:  # guard: nixl-staging-retire
+            self._forget(region)
             self._free.append(region)
         else:
+            region.retired_at = time.monotonic()
             self._retired[region.token] = region
 
     def _busy(self) -> None:
@@ -268,6 +360,7 @@ class NixlTransport(TcpTransport):
         region = self._retired.get(token)
         if region is not None and region.owner == sender:
             del self._retired[token]
+            self._forget(region)
             self._free.append(region)
             return
         for region in self._lent.values():  # released before the link's end was seen
@@ -308,7 +401,7 @@ class NixlTransport(TcpTransport):
             raise ConnectionRefusedError(f"nixl link refused: {reason.name}: {detail}")
         self._busy()
         try:
-            region = self._lend(name.decode(errors="replace"))
+            region = self._lend(name.decode(errors="replace"), (h.reservation, h.epoch))
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
             raise ConnectionAbortedError(f"no staging region: {exc!r}") from None
         if region is None:
@@ -382,7 +475,7 @@ class NixlTransport(TcpTransport):
         conn = await super()._open(address, rid)
         try:
             # Bounded as a whole, like UCX's connect (a frozen receiver fails the send).
-            out = await asyncio.wait_for(self._hello(conn, rid), self._setup_s())
+            out = await asyncio.wait_for(self._hello(conn, rid, address), self._setup_s())
         except TransferError:
             conn.close()
             raise
@@ -407,8 +500,10 @@ class NixlTransport(TcpTransport):
         connects then; measured here: 21 ms median against 0.05-0.5 ms for later WRITEs)."""
         return max(2 * self.progress_timeout_s, 1.5)
 
-    async def _hello(self, conn: RawSocket, rid: str) -> _Outbound:
-        """The link's set-up (sender side; the caller bounds it as a whole)."""
+    async def _hello(self, conn: RawSocket, rid: str, address: str = "") -> _Outbound:
+        """The link's set-up (sender side; the caller bounds it as a whole). A receiver with
+        no staging region to lend fails the send with PeerUnreachable (`unreachable`: the
+        caller routes around that receiver as around one it cannot connect to)."""
         self._busy()
         name = self.name.encode()
         await conn.send_all([_HELLO, struct.pack("<H", len(name)), name], None)
@@ -435,7 +530,9 @@ class NixlTransport(TcpTransport):
             await conn.recv_exact(memoryview(size), None)
             detail = bytearray(struct.unpack("<H", size)[0])
             await conn.recv_exact(memoryview(detail), None)
-            raise ConnectionRefusedError(detail.decode(errors="replace"))
+            raise PeerUnreachable(  # guard: nixl-refusal-unreachable
+                rid, Reason.PEER_LOST, f"nixl set-up with {address}: no staging region: "
+                f"{detail.decode(errors='replace')}")
         if bytes(head) != _OK:
             raise ConnectionAbortedError("not a nixl receiver (bad reply to hello)")
         size = bytearray(4)
