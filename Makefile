@@ -61,10 +61,11 @@ test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
 	  tests/gateway/test_long_context.py $(ARGS)
 
-## make test-fuzz: the trust-boundary fuzzers at 10,000 cases each (`make test` draws 1,000).
+## make test-fuzz: the trust-boundary fuzzers (HTTP bodies, control messages, frame headers,
+## random header bytes) at 10,000 cases each (`make test` draws 1,000).
 test-fuzz: $(VENV)/.installed-test
 	PDMESH_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=5 \
-	  tests/isolation/test_fuzz.py $(ARGS)
+	  tests/isolation/test_fuzz.py tests/transports/test_framing.py $(ARGS)
 
 ## make test-compose: build the image and run the lab stack for real under dockerd (root).
 test-compose: $(VENV)/.installed-test

@@ -195,10 +195,9 @@ cat > "$PDMESH_SECRETS_DIR/tenants.toml" <<EOF
 id = "ci"
 api_keys = ["$api_key"]
 EOF
-printf 'PDMESH_MESH_SECRET=%s\n' "ci-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')" \
-  > "$PDMESH_SECRETS_DIR/mesh.env"
-# NATS credentials: nats.conf (one role-level user per role, per-subject permissions) and
-# nats-<role>.env for the services (`pdmesh secrets`; the mesh.env above is kept).
+# NATS credentials: nats.conf (one role-level user per role, per-subject permissions),
+# nats-<role>.env for the services, and fresh keys: signing.env (admission), verify.env
+# (workers), salt.env (gateway) (`pdmesh secrets`).
 "$python" -m pdmesh.services.ops.natsauth --out "$PDMESH_SECRETS_DIR" >/dev/null \
   || fail "pdmesh secrets"
 chmod 0644 "$PDMESH_SECRETS_DIR"/*

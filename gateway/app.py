@@ -44,6 +44,7 @@ from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.engine.checkpoint import load_tokenizer
 from pdmesh.services.engine.tokenizer import ChatTemplateError
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.config import GatewayConfig
 from pdmesh.services.runtime.service import ServiceRuntime, run_service
 
@@ -64,7 +65,7 @@ class Gateway:
         self.cfg = cfg
         self.rt = ServiceRuntime(cfg)
         self.rt.extra_ready = self._workers_ready  # type: ignore[method-assign]
-        self.tenants = TenantDirectory.load(cfg.tenants_file, cfg.mesh_secret)
+        self.tenants = TenantDirectory.load(cfg.tenants_file, cfg.salt_key)
         # The gateway tokenizes and detokenizes; it needs the tokenizer, not the weights.
         self.tokenizer, derived_name = load_tokenizer(cfg.model)
         # Clients may send any served name (or --model itself); replies carry the first.
@@ -95,8 +96,7 @@ class Gateway:
         self.rt.app._client_max_size = self.cfg.max_body_bytes
         await self.rt.start_http(self.routes)
         await self.rt.connect()
-        await self.rt.subscribe(m.HEARTBEAT_WILDCARD, m.Heartbeat, self._on_heartbeat,
-                                concurrent=False)
+        await self.rt.subscribe_heartbeats(m.HEARTBEAT_WILDCARD, self._on_heartbeat)
         self.rt.mark_ready()
 
     async def _on_heartbeat(self, beat: m.Heartbeat, _msg: Any) -> None:
@@ -306,7 +306,8 @@ class Gateway:
                     req = m.SubmitRequest(
                         request_id=rid if n == 1 else f"{rid}-{i}", tenant=tenant.tenant_id,
                         cache_salt=tenant.cache_salt, prompt_ids=ids, max_tokens=max_tokens,
-                        sampling=self.sampling_for(body, ids, _seed_of(seed, i)))
+                        sampling=self.sampling_for(body, ids, _seed_of(seed, i)),
+                        stream_key=streamauth.new_key())
                     subs.append(await stack.enter_async_context(
                         self.mesh.submit(req, headers)))
                 metrics.queue_time.labels(self.model_name).observe(time.monotonic() - t0)

@@ -8,6 +8,15 @@ request's subscription stays up to PHASE_LINGER_S in an owned task, for prefill'
 holds for the request (a tested path, not a timeout). Liveness is progress: see `tokens()`.
 A submit that would not fit the NATS server's max payload is refused before anything is
 sent (`MeshTooLarge`).
+
+Only the request's own workers can write its stream: each submit carries a fresh stream key
+(services/protocol/streamauth.py) that admission gives only to the prefill and decode worker
+it chose, and an event without its MAC is dropped and counted
+(`pdmesh:refused_messages_total{service="gateway",kind="stream_mac"}`). The gateway holds
+even those workers to the request: no more than `max_tokens` tokens reach the client (the
+stream ends with `length` there, `kind="over_max_tokens"`), and decode's first token must be
+the one prefill sampled and reported logprobs for (else the request fails,
+`kind="first_token_mismatch"`).
 """
 
 from __future__ import annotations
@@ -20,10 +29,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.service import ServiceRuntime
 
 log = logging.getLogger("pdmesh.gateway")
@@ -103,6 +114,9 @@ class Submission:
     first_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     progress: tuple[int, int] = (0, 0)  # prefill's last (done_tokens, total_tokens)
     timing_seen: bool = False  # prefill's PhaseTiming arrived (and was observed)
+    max_tokens: int = 0  # the most tokens the client gets (0: no limit)
+    first_token_id: int | None = None  # what prefill sampled (FirstTokenLogprobs)
+    tokens_out: int = 0  # tokens yielded so far
 
 
 class MeshClient:
@@ -136,9 +150,14 @@ class MeshClient:
         if size > limit:
             raise MeshTooLarge(req.request_id, size, limit)
         queue: asyncio.Queue[m.LocalStreamEvent] = asyncio.Queue()
-        sub_state = Submission(request_id=req.request_id, events=queue)
+        sub_state = Submission(request_id=req.request_id, events=queue,
+                               max_tokens=req.max_tokens)
+        key = streamauth.parse_key(req.stream_key)
 
         async def on_msg(msg: Msg) -> None:
+            if not streamauth.verify(key, msg.subject, msg.data, msg.headers):
+                self.rt.refuse("stream_mac", f"an event on {msg.subject} without its MAC")
+                return
             try:
                 queue.put_nowait(self._decoder.decode(msg.subject, msg.data))
             except m.MessageError as exc:
@@ -228,9 +247,9 @@ class MeshClient:
                     # How much of the prompt the prefix cache served: no tokens, no end.
                     sub.cached_tokens = max(sub.cached_tokens, cached)
                     continue
-                case m.FirstTokenLogprobs(logprobs=logprobs):
+                case m.FirstTokenLogprobs(token_id=token_id, logprobs=logprobs):
                     # Prefill's logprobs of the first token (decode's seq 0 carries none).
-                    sub.first_logprobs = logprobs
+                    sub.first_token_id, sub.first_logprobs = token_id, logprobs
                     continue
                 case m.PrefillProgress(done_tokens=done, total_tokens=total):
                     sub.progress = (done, total)  # its arrival is what keeps us waiting
@@ -241,13 +260,38 @@ class MeshClient:
             pending[ev.seq] = ev
             sub.got_first_token = True
             while expected_seq in pending:
-                cur = pending.pop(expected_seq)
+                cur = self._held_to_the_request(sub, pending.pop(expected_seq), expected_seq)
                 expected_seq += 1
-                if cur.finish is not None:
+                if cur.finish is not None and sub.tokens_out <= sub.max_tokens:
                     sub.finished = True
+                sub.tokens_out += len(cur.token_ids)
                 yield cur
                 if cur.finish is not None:
                     return
+
+    def _held_to_the_request(self, sub: Submission, ev: m.TokenEvent,
+                             seq: int) -> m.TokenEvent:
+        """The event as the client may see it: decode's first token must be prefill's, and
+        nothing past `max_tokens` (the stream ends there with `length`; an over-long
+        stream is not marked finished, so the exit aborts whatever decode still holds)."""
+        if (seq == 0 and sub.first_token_id is not None and ev.token_ids
+                and ev.token_ids[0] != sub.first_token_id):  # guard: first-token-agrees
+            self.rt.refuse("first_token_mismatch", f"{sub.request_id}: decode's first token "
+                           f"{ev.token_ids[0]}, prefill's {sub.first_token_id}")
+            raise MeshFailed(m.Outcome(code=m.Code.INTERNAL, detail=(
+                "decode's first token is not the one prefill sampled")))
+        room = sub.max_tokens - sub.tokens_out
+        n = len(ev.token_ids)
+        if sub.max_tokens and (n > room or (  # guard: gateway-max-tokens
+                n == room and ev.finish is None)):
+            if n > room:
+                self.rt.refuse("over_max_tokens", f"{sub.request_id}: more than "
+                               f"{sub.max_tokens} tokens")
+            sub.tokens_out = sub.max_tokens + 1  # not decode's clean finish: abort on exit
+            return msgspec.structs.replace(ev, token_ids=ev.token_ids[:room],
+                                           logprobs=ev.logprobs[:room],
+                                           finish=m.FINISHED_LENGTH)
+        return ev
 
     def _timing_seen(self, sub: Submission, timing: m.PhaseTiming) -> None:
         if not sub.timing_seen:

@@ -4,11 +4,19 @@ File format (``--tenants FILE`` / ``PDMESH_TENANTS_FILE``)::
 
     [[tenant]]
     id = "acme"
-    api_keys = ["sk-..."]
+    api_keys = ["sk-..."]                 # keys in the clear, or
+    api_key_sha256s = ["9f86d0818..."]    # SHA-256 (hex) of each key: the file holds no key
 
-The cache salt that namespaces a tenant's prefix-cache entries (invariant I7) is derived on
-the server from the mesh secret and the tenant id. Nothing a client sends can set or change
-it: request bodies never carry it and the gateway ignores any such field.
+A tenant needs at least one key in either list (both may be given). The directory keeps
+only SHA-256 digests: a presented key is hashed and compared in constant time with every
+digest, so the comparison does not tell which or how much of a key matched. A digest may
+belong to one tenant only. `sha256_hex(key)` (or `printf %s KEY | sha256sum`) makes an entry
+of `api_key_sha256s`.
+
+The cache salt that namespaces a tenant's prefix-cache entries (invariant I7) is
+HMAC-SHA256(salt key, "cache-salt:" + tenant id), truncated to 32 hex characters, under the
+gateway's own `--salt-key`, which no other role holds. Nothing a client sends can set or
+change it: request bodies never carry it and the gateway ignores any such field.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ import hmac
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pdmesh.services.protocol.errors import ConfigError
 
 DEV_TENANTS_FILE = Path(__file__).with_name("dev_tenants.toml")
+_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -30,12 +40,38 @@ class Tenant:
     cache_salt: str
 
 
+def sha256_hex(api_key: str) -> str:
+    """The digest `api_key_sha256s` lists for `api_key`."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def cache_salt(salt_key: str, tenant_id: str) -> str:
+    """The tenant's server-side cache salt under the gateway's salt key (hex)."""
+    return hmac.new(bytes.fromhex(salt_key), f"cache-salt:{tenant_id}".encode(),
+                    hashlib.sha256).hexdigest()[:32]
+
+
+def _strings(entry: dict[str, Any], name: str) -> list[str] | None:
+    """The entry's list `name` ([] when absent), or None when it is not a list of
+    non-empty strings."""
+    value = entry.get(name, [])
+    if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
+        return None
+    return value
+
+
 class TenantDirectory:
-    def __init__(self, keys: dict[str, Tenant]) -> None:
-        self._by_key = keys
+    def __init__(self, digests: list[tuple[bytes, Tenant]]) -> None:
+        self._digests = digests  # (SHA-256 of an API key, its tenant)
 
     @classmethod
-    def load(cls, path: str | Path, mesh_secret: str) -> TenantDirectory:
+    def load(cls, path: str | Path, salt_key: str) -> TenantDirectory:
+        """The tenants of `path` (empty: the bundled dev tenants), salted with `salt_key`
+        (hex, the gateway's `--salt-key`)."""
+        try:
+            bytes.fromhex(salt_key)
+        except ValueError:
+            raise ConfigError("salt_key", "(hidden)", "must be hex") from None
         path = Path(path) if path else DEV_TENANTS_FILE
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -46,31 +82,41 @@ class TenantDirectory:
         entries = data.get("tenant")
         if not isinstance(entries, list) or not entries:
             raise ConfigError("tenants_file", str(path), "needs at least one [[tenant]] table")
-        keys: dict[str, Tenant] = {}
+
+        def bad(problem: str) -> ConfigError:
+            return ConfigError("tenants_file", str(path), problem)
+
+        digests: list[tuple[bytes, Tenant]] = []
+        owner: dict[bytes, str] = {}
         for i, entry in enumerate(entries):
             tid = entry.get("id") if isinstance(entry, dict) else None
-            api_keys = entry.get("api_keys") if isinstance(entry, dict) else None
             if not isinstance(tid, str) or not tid:
-                raise ConfigError("tenants_file", str(path), f"tenant #{i + 1} has no id")
-            if (not isinstance(api_keys, list) or not api_keys
-                    or not all(isinstance(k, str) and k for k in api_keys)):
-                raise ConfigError("tenants_file", str(path),
-                                  f"tenant {tid!r} needs a non-empty api_keys list of strings")
-            salt = hmac.new(mesh_secret.encode(), f"cache-salt:{tid}".encode(),
-                            hashlib.sha256).hexdigest()[:32]
-            for k in api_keys:
-                if k in keys:
-                    raise ConfigError("tenants_file", str(path), f"API key reused by {tid!r}")
-                keys[k] = Tenant(tenant_id=tid, cache_salt=salt)
-        return cls(keys)
+                raise bad(f"tenant #{i + 1} has no id")
+            plain, hashed = _strings(entry, "api_keys"), _strings(entry, "api_key_sha256s")
+            if plain is None or hashed is None or not (plain or hashed):
+                raise bad(f"tenant {tid!r} needs a non-empty api_keys or api_key_sha256s "
+                          "list of strings")
+            wrong = [h for h in hashed if len(h) != 64 or not set(h.lower()) <= _HEX]
+            if wrong:
+                raise bad(f"tenant {tid!r}: {wrong[0]!r} in api_key_sha256s is not a SHA-256 "
+                          "hex digest (64 hex characters)")
+            tenant = Tenant(tenant_id=tid, cache_salt=cache_salt(salt_key, tid))
+            for digest in [bytes.fromhex(sha256_hex(k)) for k in plain] + [
+                    bytes.fromhex(h) for h in hashed]:
+                if digest in owner:
+                    raise bad(f"API key reused by {tid!r}")
+                owner[digest] = tid
+                digests.append((digest, tenant))
+        return cls(digests)
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
-        """`Authorization: Bearer <key>` -> tenant, or None (compared in constant time)."""
+        """`Authorization: Bearer <key>` -> tenant, or None (the key's digest compared in
+        constant time with every digest)."""
         if not authorization or not authorization.startswith("Bearer "):
             return None
-        presented = authorization[len("Bearer "):].strip().encode()
+        presented = hashlib.sha256(authorization[len("Bearer "):].strip().encode()).digest()
         found = None
-        for key, tenant in self._by_key.items():
-            if hmac.compare_digest(key.encode(), presented):
+        for digest, tenant in self._digests:
+            if hmac.compare_digest(digest, presented):
                 found = tenant
         return found

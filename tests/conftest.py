@@ -15,8 +15,9 @@ from tests.support.meshproc import Mesh, NatsServer, mesh_env, run_mesh
 # assertion rewriting (ast.parse) of a module imported while a leftover thread of a test
 # parses too can fail the whole run with "AST constructor recursion depth mismatch".
 
-# Every process the suite starts runs with the dev mesh secret and dev tenants, as `make up`
-# does (tests/ops/test_launcher.py checks that a start without this is refused).
+# Every process the suite starts runs with the dev tenants, as `make up` does (keys are
+# fresh per mesh: meshproc.run_mesh; tests/ops/test_launcher.py checks that a start with
+# dev credentials is refused without this).
 os.environ.setdefault("PDMESH_ALLOW_DEV_CREDENTIALS", "1")
 
 # The shared mesh: tiny model, a decode/prefill pool smaller than the model's configured

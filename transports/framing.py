@@ -7,8 +7,9 @@ One fixed 96-byte little-endian header precedes every payload:
     payload_checksum u64 | mac 16s | header_checksum u64
 
 `mac` is HMAC-SHA256 (first 16 bytes) of the 72 body bytes under the reservation's key
-(`transfer_key()`: derived from the mesh secret, the reservation id and the epoch, so only
-admission, the chosen prefill and decode can compute it). The receiver verifies it against
+(`transfer_key()`: derived from the data key admission made for this reservation, the
+reservation id and the epoch; admission sends the data key to the chosen decode and prefill
+workers only, so no other worker can compute it). The receiver verifies it against
 the live expectation's key before it acts on the header (no payload byte lands, no state
 changes otherwise); the COMMIT's body carries the digest of every page checksum, so its MAC
 covers every page digest. ACKs are MACed the same way; a NACK for a reservation the
@@ -93,10 +94,11 @@ class FrameHeader(NamedTuple):
     flags: int = 0  # PAUSE on a DATA frame, else 0 (covered by the MAC)
 
 
-def transfer_key(mesh_secret: str | bytes, reservation_id: str, epoch: int) -> bytes:
-    """The per-reservation data-plane key: HMAC-SHA256(mesh secret, label | reservation
-    id bytes | epoch). Admission, prefill and decode derive it from the secret they share."""
-    secret = mesh_secret.encode() if isinstance(mesh_secret, str) else bytes(mesh_secret)
+def transfer_key(data_key: str | bytes, reservation_id: str, epoch: int) -> bytes:
+    """The per-reservation data-plane key: HMAC-SHA256(data key, label | reservation id
+    bytes | epoch). The data key is admission's, fresh per reservation
+    (`ReserveRequest.data_key`, `PrefillDispatch.data_key`)."""
+    secret = data_key.encode() if isinstance(data_key, str) else bytes(data_key)
     msg = _KEY_LABEL + reservation_bytes(reservation_id) + struct.pack("<Q", epoch)
     return hmac.digest(secret, msg, hashlib.sha256)
 

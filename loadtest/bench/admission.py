@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdmesh.services.admission.service import AdmissionService
 from pdmesh.services.ops.launcher import free_port, nats_server_binary
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import streamauth, tickets
 from pdmesh.services.runtime.config import resolve
 from pdmesh.services.runtime.service import counter_total
 
@@ -192,7 +192,7 @@ class Bench:
     async def start(self) -> None:
         cfg = resolve("admission", {
             "nats_url": self.url, "http_port": 0, "worker_id": "admission-bench",
-            "mesh_secret": uuid.uuid4().hex, "queue_timeout_s": 0.5,
+            "signing_key": tickets.generate_signing_key(), "queue_timeout_s": 0.5,
             "reserve_timeout_s": 0.5, "worker_ttl_s": 3.0, "log_level": "WARNING"}, env={})
         self.svc = AdmissionService(cfg)
         await self.svc.start()
@@ -247,7 +247,8 @@ class Bench:
                 case = cases[i % len(cases)]
                 req = m.SubmitRequest(request_id=f"bench-{name}-{i}", tenant="bench",
                                       cache_salt="bench", prompt_ids=self.prompts[case.name],
-                                      max_tokens=case.max_tokens)
+                                      max_tokens=case.max_tokens,
+                                      stream_key=streamauth.new_key())
                 payload = m.encode(req)
                 phase.sent += 1
                 t0 = time.perf_counter()

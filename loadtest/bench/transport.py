@@ -44,6 +44,7 @@ import functools
 import hmac
 import json
 import os
+import secrets
 import socket
 import statistics
 import sys
@@ -60,7 +61,7 @@ from pdmesh.transports import (
     make_transport,
     stop_ucx_notifier,
 )
-from pdmesh.transports.framing import Kind, decode_header, encode_header, mac_ok, transfer_key
+from pdmesh.transports.framing import Kind, decode_header, encode_header, mac_ok
 
 SIZES_MIB = (1, 16, 64)
 UCX_KINDS = ("ucx", "nixl")  # transports over UCX: compared with native ucx_perftest
@@ -69,8 +70,13 @@ PAGE_TOKENS = 16
 # Liveness is not what is measured: a first UCX connect on a loaded machine (all transports
 # probed when UCX_TLS is unset) can take longer than the production progress timeout.
 PROGRESS_S = 5.0
-# Frames are MACed as in production (per-reservation keys from a mesh secret).
-BENCH_SECRET = "pdmesh-bench-secret"
+# Frames are MACed as in production: each transfer has its own random data key, which
+# admission would hand to both workers.
+DATA_KEY_BYTES = 32
+
+
+def data_key() -> bytes:
+    return secrets.token_bytes(DATA_KEY_BYTES)
 
 
 async def _transport_once(payload: np.ndarray, dst: np.ndarray, pair) -> float:
@@ -78,7 +84,7 @@ async def _transport_once(payload: np.ndarray, dst: np.ndarray, pair) -> float:
     n = payload.shape[0]
     rid = uuid.uuid4().hex
     ids = tuple(range(n))
-    key = transfer_key(BENCH_SECRET, rid, 1)
+    key = data_key()
     fut = receiver.expect(ExpectedTransfer(rid, 1, ids, [memoryview(p) for p in dst],
                                            PAGE_BYTES, PAGE_TOKENS, n * PAGE_TOKENS, 60.0,
                                            key=key))
@@ -193,11 +199,11 @@ class _Peer:
 async def _peer_transport_once(peer: _Peer, sender, payload: np.ndarray) -> float:
     n = payload.shape[0]
     rid = uuid.uuid4().hex
-    await peer.command(f"expect {rid} {n}")
+    key = data_key()
+    await peer.command(f"expect {rid} {n} {key.hex()}")
     started = time.perf_counter()
     await sender.send(peer.address, TransferPlan(rid, 1, tuple(range(n)), n * PAGE_TOKENS,
-                                                 PAGE_TOKENS, PAGE_BYTES, 0, 60.0,
-                                                 key=transfer_key(BENCH_SECRET, rid, 1)),
+                                                 PAGE_TOKENS, PAGE_BYTES, 0, 60.0, key=key),
                       [memoryview(p) for p in payload])
     return time.perf_counter() - started
 
@@ -350,7 +356,7 @@ async def _best_of(repeat: int, t_end: float, transport_once: Callable[[], Await
 def mac_cost_us(frames: int = 20000) -> float:
     """Microseconds one frame's authentication adds, both sides together: the sender's
     HMAC over the header body and the receiver's verification (measured in this run)."""
-    key = transfer_key(BENCH_SECRET, uuid.uuid4().hex, 1)
+    key = data_key()
     raw = encode_header(Kind.DATA, bytes(16), 1, payload_len=PAGE_BYTES, payload_checksum=1,
                         key=key)
     h = decode_header(raw)

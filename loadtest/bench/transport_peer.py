@@ -4,7 +4,8 @@ Prefill and decode are separate processes, so each pays one checksum pass and on
 parallel. This child plays decode: it runs a receiving transport and a raw receiver (plain
 socket / bare ucxx) and obeys one-line commands on stdin, answering on stdout:
 
-    expect <rid> <pages>   register an expectation of <pages> 1 MiB pages -> "ready"
+    expect <rid> <pages> <key>  register an expectation of <pages> 1 MiB pages whose frames
+                           are MACed under <key> (hex) -> "ready"
     raw <bytes>            the next raw connection carries <bytes> bytes -> "ready"
     cpu                    -> "cpu <seconds>": this process's CPU time so far (all threads)
     quit
@@ -27,10 +28,8 @@ import time
 import numpy as np
 
 from pdmesh.transports import ExpectedTransfer, make_transport, stop_ucx_notifier
-from pdmesh.transports.framing import transfer_key
 
 PAGE_BYTES = 1 << 20
-BENCH_SECRET = "pdmesh-bench-secret"  # as in transport.py (frames MACed as in production)
 PAGE_TOKENS = 16
 MAX_PAGES = 64
 
@@ -82,7 +81,7 @@ async def _serve(kind: str, raw: str) -> None:
                 n = int(line[2])
                 fut = receiver.expect(ExpectedTransfer(
                     line[1], 1, tuple(range(n)), views[:n], PAGE_BYTES, PAGE_TOKENS,
-                    n * PAGE_TOKENS, 60.0, key=transfer_key(BENCH_SECRET, line[1], 1)))
+                    n * PAGE_TOKENS, 60.0, key=bytes.fromhex(line[3])))
                 pending.add(fut)
                 fut.add_done_callback(pending.discard)
             elif line[0] == "raw":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Mapping
 
@@ -30,7 +31,7 @@ from pdmesh.services.admission.policy import (
 )
 from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.protocol import messages as m
-from pdmesh.services.protocol import tickets
+from pdmesh.services.protocol import streamauth, tickets
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime.config import AdmissionConfig
 from pdmesh.services.runtime.service import ServiceRuntime, counter_total, run_service
@@ -46,6 +47,7 @@ class AdmissionService:
         self.policy = policy or LivePolicy()
         self.rt = ServiceRuntime(cfg)
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
+        self.signer = tickets.Signer(cfg.signing_key)  # only admission holds it
         self._capacity_changed = asyncio.Event()
         r = self.rt.registry
         self.decisions = Counter("pdmesh:admission_decisions_total", "Admission decisions",
@@ -67,8 +69,7 @@ class AdmissionService:
         rt = self.rt
         await rt.start_http()
         await rt.connect()
-        await rt.subscribe(m.HEARTBEAT_WILDCARD, m.Heartbeat, self._on_heartbeat,
-                           concurrent=False)
+        await rt.subscribe_heartbeats(m.HEARTBEAT_WILDCARD, self._on_heartbeat)
         await rt.subscribe(m.SUBMIT_SUBJECT, m.SubmitRequest, self._on_submit,
                            queue="admission")
         # Every admission instance hears these (no queue group): each keeps its own registry.
@@ -116,7 +117,13 @@ class AdmissionService:
         """Admit (reserve + dispatch) or reject: RECEIVED -> ADMITTED or REJECTED, through
         the lifecycle's checks (a reply can only reject with a rejection code)."""
         life = Lifecycle(req.request_id)
-        reply = await self._decide(req, headers or {})
+        try:
+            streamauth.parse_key(req.stream_key)
+        except ValueError as exc:  # the gateway makes one per request: a submit without
+            reply: m.SubmitReply = self._reject(req, Rejected(  # it has no stream to trust
+                m.Code.INVALID, f"submit without a valid stream key: {exc}"))
+        else:
+            reply = await self._decide(req, headers or {})
         if isinstance(reply, m.Rejected):
             life.finish(reply.outcome)
         else:
@@ -184,15 +191,19 @@ class AdmissionService:
         capacity gate refused it), or `Retry` (that decode did not reserve now)."""
         prefill: WorkerView = decision.prefill
         decode: WorkerView = decision.decode
-        ticket = tickets.sign(
-            self.cfg.mesh_secret, request_id=req.request_id, tenant=req.tenant,
+        ticket = self.signer.sign(
+            request_id=req.request_id, tenant=req.tenant,
             cache_salt=req.cache_salt, prompt_len=len(req.prompt_ids),
             max_tokens=req.max_tokens, prefill_worker=prefill.worker_id,
             decode_worker=decode.worker_id, ttl_s=self.cfg.ticket_ttl_s)
         self.tickets_issued.inc()
+        # This reservation's data-plane key: made here, known only to the two workers.
+        data_key = secrets.token_hex(32)
         try:
             res = await self.rt.request(m.reserve_subject(decode.worker_id),
-                                        m.ReserveRequest(ticket=ticket, sampling=req.sampling),
+                                        m.ReserveRequest(ticket=ticket, sampling=req.sampling,
+                                                         stream_key=req.stream_key,
+                                                         data_key=data_key),
                                         m.ReserveReply, self.cfg.reserve_timeout_s,
                                         headers=self.policy.reserve_headers(
                                             req.request_id, headers, attempt))
@@ -222,8 +233,9 @@ class AdmissionService:
         try:
             await self.rt.publish(m.dispatch_subject(prefill.worker_id), m.PrefillDispatch(
                 ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
-                reservation=res.reservation, grant=tickets.grant(
-                    self.cfg.mesh_secret, ticket, req.prompt_ids, res.reservation)),
+                reservation=res.reservation,
+                grant=self.signer.grant(ticket, req.prompt_ids, res.reservation),
+                stream_key=req.stream_key, data_key=data_key),
                 headers=self.policy.dispatch_headers(headers))
         except nats.errors.MaxPayloadError as exc:
             # A NATS configured below the mesh's max_payload (services/ops/natsauth.py): the

@@ -22,7 +22,6 @@ import collections
 import logging
 import time
 
-import nats.errors
 import torch
 from nats.aio.msg import Msg
 
@@ -44,7 +43,7 @@ class LocalPrefill:
 
     def __init__(self, cfg: ColocatedConfig) -> None:
         # The ticket names this worker twice; each role checks (and burns) it once.
-        self.verifier = TicketVerifier(cfg.mesh_secret, cfg.worker_id, m.Role.PREFILL)
+        self.verifier = TicketVerifier(cfg.verify_key, cfg.worker_id, m.Role.PREFILL)
         self._dispatches: collections.deque[m.PrefillDispatch] = collections.deque()
         self._dispatched = asyncio.Event()
         self.svc: DecodeService | None = None
@@ -75,10 +74,7 @@ class LocalPrefill:
         msg = m.PrefillProgress(request_id=d.ticket.request_id,
                                 reservation_id=d.reservation.reservation_id,
                                 done_tokens=done, total_tokens=len(d.prompt_ids))
-        try:
-            await svc.rt.publish(m.tokens_subject(d.ticket.request_id), msg)
-        except (nats.errors.Error, OSError) as exc:  # best effort: the next one covers it
-            log.warning("progress of %s not sent: %s", d.ticket.request_id, exc)
+        await svc.tell(dreq, msg)  # MACed under the stream key, as every event of the stream
 
     def expect(self, svc: DecodeService, dreq: DecodeRequest) -> None:
         svc.rt.spawn(self._dispatch_deadline(svc, dreq), f"deadline:{dreq.request_id}")
@@ -97,7 +93,7 @@ class LocalPrefill:
         dreq = svc.requests.get(d.ticket.request_id)
         try:
             self.verifier.verify(d.ticket, prompt_len=len(d.prompt_ids))
-            verify_grant(svc.cfg.mesh_secret, d)
+            verify_grant(svc.cfg.verify_key, d)
         except TicketError as exc:
             svc.ticket_refusals.labels(exc.reason.split(" ")[0]).inc()
             if dreq is not None:

@@ -36,6 +36,7 @@ from pdmesh.services.decode.scheduler import DecodeScheduler
 from pdmesh.services.engine.runner import DecodeSlot
 from pdmesh.services.engine.sampling import Sampler
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import streamauth
 from pdmesh.services.protocol.capacity import decode_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
@@ -68,6 +69,10 @@ class DecodeRequest:
     reserved_at: float = field(default_factory=time.monotonic)
     progress_at: float = field(default_factory=time.monotonic)  # prefill's latest word
     quiet: bool = False  # ends without an event on the token stream (admission answers)
+    # The request's keys from its ReserveRequest (streamauth.py; framing.transfer_key).
+    stream_key: bytes | None = None
+    data_key: bytes = b""
+    progress_done: int = 0  # the prompt tokens prefill last reported computed
 
     def __post_init__(self) -> None:
         self.lifecycle = Lifecycle(self.ticket.request_id, RequestState.RESERVED)
@@ -136,7 +141,7 @@ class TransportIntake:
             page_buffers=[svc.pool.page_buffer(dreq.lease, i) for i in range(len(page_ids))],
             page_bytes=spec.bytes_per_page, page_tokens=spec.page_tokens,
             num_tokens=dreq.ticket.prompt_len, deadline_s=svc.cfg.transfer_deadline_s,
-            key=transfer_key(svc.cfg.mesh_secret, dreq.reservation_id, dreq.lease.epoch))
+            key=transfer_key(dreq.data_key, dreq.reservation_id, dreq.lease.epoch))
         fut = svc.transport.expect(target)
         dreq.transfer_task = svc.rt.spawn(svc.await_transfer(dreq, fut),
                                           f"transfer:{dreq.request_id}")
@@ -175,8 +180,8 @@ class DecodeService(WorkerBase):
         await self.rt.subscribe(m.reserve_subject(wid), m.ToReserve, self._on_reserve)
         await self.rt.subscribe(m.release_subject(wid), m.ToDecode, self._on_release)
         await self.rt.subscribe(m.ABORT_SUBJECT, m.Abort, self._on_abort)
-        await self.rt.subscribe(m.heartbeat_subject("prefill", "*"), m.Heartbeat,
-                                self._on_prefill_heartbeat, concurrent=False)
+        await self.rt.subscribe_heartbeats(m.heartbeat_subject("prefill", "*"),
+                                           self._on_prefill_heartbeat)
         await self.intake.attach(self)
         self.rt.spawn(self._decode_loop(), "decode-loop")
         self.rt.every(self.cfg.heartbeat_s, self._watch_prefills, "watch-prefills")
@@ -261,6 +266,11 @@ class DecodeService(WorkerBase):
         if t.request_id in self.requests:
             return self._refuse(t, "refused", m.Code.RESERVE_FAILED, "duplicate request id")
         try:
+            stream_key = streamauth.parse_key(req.stream_key)
+            data_key = streamauth.parse_key(req.data_key)
+        except ValueError as exc:
+            return self._refuse(t, "refused", m.Code.REFUSED, f"bad request keys: {exc}")
+        try:
             sampler = Sampler.for_request(req.sampling, t.max_tokens,
                                           self.model.tokenizer.eos_token_ids)
         except ValueError as exc:  # the gateway validates; a bad Sampling still harms none
@@ -269,8 +279,8 @@ class DecodeService(WorkerBase):
             lease = self.pool.allocate(t.request_id, t.prompt_len + t.max_tokens)
         except PoolExhaustedError as exc:
             return self._refuse(t, "pool_full", m.Code.RESERVE_FAILED, str(exc))
-        dreq = DecodeRequest(ticket=t, lease=lease,
-                             reservation_id=lease.lease_id, sampler=sampler)
+        dreq = DecodeRequest(ticket=t, lease=lease, reservation_id=lease.lease_id,
+                             sampler=sampler, stream_key=stream_key, data_key=data_key)
         self.requests[t.request_id] = dreq
         self.intake.expect(self, dreq)
         self.reservations.labels("ok").inc()
@@ -353,7 +363,7 @@ class DecodeService(WorkerBase):
         if lease is not None:
             await self.conclude(dreq, lease, event)
         else:
-            await self._tell(event)
+            await self.tell(dreq, event)
 
     async def _decode_loop(self) -> None:
         while True:
@@ -383,12 +393,29 @@ class DecodeService(WorkerBase):
             await asyncio.sleep(0)  # let transport and NATS callbacks run between steps
 
     # -- ending -------------------------------------------------------------------------
-    async def _on_release(self, msg: m.ToDecode, _msg: Msg) -> None:
+    async def _on_release(self, msg: m.ToDecode, raw: Msg) -> None:
+        """A Release or PrefillProgress from the request's prefill: believed only with the
+        request's stream MAC (another prefill may publish here too, NATS cannot tell them
+        apart). Progress keeps the reservation only while it is real: the reported
+        computed tokens grow, or none is computed yet (queued); a prefill that repeats
+        itself mid-prompt lets the stall limit free the pages."""
         dreq = self.requests.get(msg.request_id)
-        if dreq is None or dreq.reservation_id != msg.reservation_id:
+        if dreq is None:
+            return
+        if not streamauth.verify(dreq.stream_key, raw.subject, raw.data, raw.headers):
+            self.rt.refuse("peer_mac", f"{type(msg).__name__} for {msg.request_id} without "
+                           "the request's MAC")
+            return
+        if dreq.reservation_id != msg.reservation_id:  # an earlier reservation's
             return
         if isinstance(msg, m.PrefillProgress):
-            dreq.progress_at = time.monotonic()
+            done, last = msg.done_tokens, dreq.progress_done
+            if done > last or done == last == 0:  # guard: progress-advances
+                dreq.progress_done = done
+                dreq.progress_at = time.monotonic()
+            else:
+                self.rt.refuse("stale_progress", f"progress of {msg.request_id} at {done} "
+                               f"after {dreq.progress_done}")
             return
         await self.end(dreq, peer_ending(msg.outcome, "released by peer: "))
 
@@ -429,12 +456,17 @@ class DecodeService(WorkerBase):
         self.releases.labels(outcome.label).inc()
         self.requests.pop(dreq.request_id, None)
         if not dreq.quiet:
-            await self._tell(event or m.StreamFailed(request_id=dreq.request_id,
-                                                     outcome=outcome))
+            await self.tell(dreq, event or m.StreamFailed(request_id=dreq.request_id,
+                                                          outcome=outcome))
 
-    async def _tell(self, event: m.TokenEvent | m.StreamFailed) -> None:
+    async def tell(self, dreq: DecodeRequest, event: m.StreamEvent) -> None:
+        """Publish one event on the request's stream, MACed under its stream key."""
+        if dreq.stream_key is None:
+            log.error("no stream key for %s: event not sent", event.request_id)
+            return
         try:
-            await self.rt.publish(m.tokens_subject(event.request_id), event)
+            await self.rt.publish_authenticated(m.tokens_subject(event.request_id), event,
+                                                dreq.stream_key)
         except (nats.errors.Error, OSError) as exc:
             log.error("publishing to the stream of %s failed: %s", event.request_id, exc)
 

@@ -11,8 +11,9 @@ import asyncio
 import importlib
 import logging
 import os
+import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdmesh.services.protocol.errors import PdmeshError
 from pdmesh.services.runtime.config import (
@@ -27,7 +28,17 @@ from pdmesh.services.runtime.config import (
     serve_settings,
     up_settings,
 )
-from pdmesh.services.runtime.settings import COLOCATED, DECODE, GATEWAY, PREFILL, ROLES
+from pdmesh.services.runtime.settings import (
+    ADMISSION,
+    BY_FIELD,
+    COLOCATED,
+    DECODE,
+    GATEWAY,
+    KEY_FIELDS,
+    PREFILL,
+    ROLES,
+    SETTINGS,
+)
 
 SERVE = {
     "admission": "pdmesh.services.admission.service",
@@ -88,21 +99,37 @@ def _allow_dev(args: object) -> bool:
                 or env_value("allow_dev_credentials"))
 
 
-def up_configs(args: object, colocated: bool) -> dict[str, ServiceConfig]:
+def up_configs(args: object, colocated: bool,
+               env: Mapping[str, str] | None = None) -> dict[str, ServiceConfig]:
     """The config of every role the mesh runs, from `pdmesh up`'s flags (each role takes
     the flags it uses) and the environment: every value is checked before anything
-    starts, and each role is handed only its own."""
+    starts, and each role is handed only its own. The keys are fresh for each run unless
+    given (flag or env var): admission gets the signing key, the workers its verify key,
+    the gateway the salt key."""
+    from pdmesh.services.protocol import tickets
+
+    env = os.environ if env is None else env
     roles = [r for r in ROLES if r not in ((PREFILL, DECODE) if colocated else (COLOCATED,))]
-    flags = [(s, getattr(args, s.field)) for s in up_settings() if s.roles]
-    return {role: resolve(role, {s.field: v for s, v in flags if role in s.roles})
-            for role in roles}
+    flags = {s.field: getattr(args, s.field) for s in up_settings() if s.roles}
+    for field, fresh in (("signing_key", tickets.generate_signing_key),
+                         ("salt_key", lambda: secrets.token_hex(32))):
+        if flags.get(field) is None and not env.get(BY_FIELD[field].env):
+            flags[field] = fresh()
+    cfgs: dict[str, ServiceConfig] = {}
+    for role in roles:  # admission first: the workers' verify key is its signing key's
+        cfgs[role] = resolve(role, {f: v for f, v in flags.items()
+                                    if role in BY_FIELD[f].roles}, env)
+        if role == ADMISSION:
+            flags["verify_key"] = tickets.verify_key_of(cfgs[role].signing_key)
+    return cfgs
 
 
 def up_env(cfgs: dict[str, ServiceConfig], allow_dev: bool) -> dict[str, dict[str, str]]:
     """By role, the env vars `pdmesh up` hands that role's processes: the values of its
-    flags the role uses (the launcher sets NATS and the ports itself)."""
-    env = {role: {s.env: str(getattr(cfg, s.field)) for s in up_settings()
-                  if role in s.roles and s.field not in UP_OWN} for role, cfg in cfgs.items()}
+    flags the role uses and its key (the launcher sets NATS and the ports itself)."""
+    env = {role: {s.env: str(getattr(cfg, s.field)) for s in SETTINGS
+                  if role in s.roles and (s.up or s.field in KEY_FIELDS)
+                  and s.field not in UP_OWN} for role, cfg in cfgs.items()}
     if allow_dev:
         for role_env in env.values():
             role_env[ALLOW_DEV_ENV] = "1"
@@ -130,19 +157,21 @@ def cmd_up(argv: Sequence[str]) -> int:
     allow_dev = _allow_dev(args)
     try:
         cfgs = up_configs(args, args.colocated)
-        cfg = cfgs[GATEWAY]  # its credentials are the mesh's: the secret and the tenants
-        check_dev_credentials(cfg, allow_dev)  # before any process starts, one clear line
+        for role_cfg in cfgs.values():  # before any process starts, one clear line
+            check_dev_credentials(role_cfg, allow_dev)
     except PdmeshError as exc:
         return _fail(str(exc))
+    cfg = cfgs[GATEWAY]
     if args.prefill < 1 or args.decode < 1:
         return _fail("--prefill and --decode must be at least 1")
     if args.colocated and (args.prefill != 1 or args.decode != 1):
         return _fail("--colocated runs one colocated worker; drop --prefill/--decode")
     env = up_env(cfgs, allow_dev)
     if allow_dev:
-        for what in dev_credentials(cfg):
-            print(f"pdmesh: --allow-dev-credentials: the mesh runs with {what}; "
-                  "for local development only", flush=True)
+        for role, role_cfg in cfgs.items():
+            for what in dev_credentials(role_cfg):
+                print(f"pdmesh: --allow-dev-credentials: {role} runs with {what}; "
+                      "for local development only", flush=True)
     launcher = Launcher(nats_url=cfg.nats_url, gateway_port=cfg.gateway_port,
                         prefill=args.prefill, decode=args.decode, env=env, quiet=args.quiet,
                         keep_going=args.keep_going, colocated=args.colocated)
@@ -166,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              "  bench <what>            benchmarks: " + ", ".join(BENCH) + "\n"
              "  loadtest                long-prompt load generator (OpenAI-compatible HTTP)\n"
              "  soak                    canary workload with oracle checks\n"
-             "  secrets --out DIR       NATS credentials + mesh secret for compose stacks\n"
+             "  secrets --out DIR       NATS credentials + the mesh's keys for compose stacks\n"
              "  certs --out DIR --hosts  dev CA + NATS TLS certificates (multi-host)\n")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)

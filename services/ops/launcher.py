@@ -12,6 +12,13 @@ NATS user per process with per-subject permissions (services/ops/natsauth.py), h
 service as PDMESH_NATS_USER / PDMESH_NATS_PASSWORD. They live in a private run directory
 (0700, removed at stop) that also holds `tools.url`, the read-only `tools` identity for
 `pdmesh check` and tests. With `--nats-url` the launcher uses that server as it is.
+
+Every run also has its own keys, made by `pdmesh up` (services/ops/cli.py `up_configs`)
+unless given with `--signing-key` / `--salt-key` or their env vars: admission gets the
+Ed25519 signing key, the prefill, decode and colocated workers its public verify key, and
+the gateway the cache-salt key, each through its process's environment and nothing else.
+A key in the launcher's own environment is not passed on (`child_env`), so no process
+holds another role's key.
 """
 
 from __future__ import annotations
@@ -35,7 +42,11 @@ from pathlib import Path
 from pdmesh.services.ops import natsauth
 from pdmesh.services.ops.topology import ServiceSpec, mesh_services
 from pdmesh.services.protocol.errors import StartupError
+from pdmesh.services.runtime.settings import BY_FIELD, KEY_FIELDS
 
+# The keys' env vars, each for one role only (`pdmesh up` hands them out by role): never
+# inherited from the launcher's own environment.
+KEY_ENV = tuple(BY_FIELD[f].env for f in KEY_FIELDS)
 READY_TIMEOUT_S = 180.0  # the first `smollm2` start downloads and dequantizes the model
 STOP_GRACE_S = 10.0
 
@@ -139,17 +150,25 @@ class Launcher:
         if not self.nats_url:
             await self._start_nats()
         for spec in self.specs:
-            env = {**os.environ, **self.env.get(spec.role, {}), **spec.env,
-                   "PDMESH_NATS_URL": self.nats_url}
-            ident = self.identities.get(spec.name)
-            if ident is not None:
-                env.update(PDMESH_WORKER_ID=ident.user, PDMESH_NATS_USER=ident.user,
-                           PDMESH_NATS_PASSWORD=ident.password)
             argv = [sys.executable, "-m", "pdmesh.services.ops.cli", *spec.command]
-            self.children.append(await self._spawn(spec.name, argv, env))
+            self.children.append(await self._spawn(spec.name, argv, self.child_env(spec)))
         for spec in self.specs:
             await self._wait_http(f"http://127.0.0.1:{spec.http_port}/ready", spec.name,
                                   READY_TIMEOUT_S)
+
+    def child_env(self, spec: ServiceSpec,
+                  environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of one service process: the launcher's own less every key (a
+        key reaches only the role `env` gives it to), the settings of its role, its
+        spec's, the NATS URL and, with the embedded NATS, its identity."""
+        inherited = os.environ if environ is None else environ
+        env = {k: v for k, v in inherited.items() if k not in KEY_ENV}
+        env.update({**self.env.get(spec.role, {}), **spec.env, "PDMESH_NATS_URL": self.nats_url})
+        ident = self.identities.get(spec.name)
+        if ident is not None:
+            env.update(PDMESH_WORKER_ID=ident.user, PDMESH_NATS_USER=ident.user,
+                       PDMESH_NATS_PASSWORD=ident.password)
+        return env
 
     async def _start_nats(self) -> None:
         """The embedded nats-server, with one user per process of this run."""

@@ -21,7 +21,11 @@ replica of a role shares one role-level user whose permissions use `*` for the w
 reservation or submit a request, but replicas of one role are not told apart by NATS (the
 data plane's per-reservation MACs still are). `pdmesh secrets --out DIR` writes such a
 secrets directory: `nats.conf` (the server's authorization block), one `nats-<role>.env` per
-role with its user and password, and `mesh.env` (a fresh mesh secret) when it is missing.
+role with its user and password, and the keys, each in a file only its holders mount:
+`signing.env` (admission's Ed25519 signing key), `verify.env` (its public key, for prefill,
+decode and colocated workers) and `salt.env` (the gateway's cache-salt key). The signing and
+salt keys are made when missing and kept when present (every host of a stack must share
+them); `verify.env` is always derived from `signing.env`.
 With `--hosts`, also the multi-host NATS cluster's files: a dev CA and server certificate
 (`services/ops/certs.py`) and `nats-cluster.conf`: the same users, TLS on client connections
 (clients verify the server against the CA), and a `cluster` block whose routes use mutual
@@ -43,6 +47,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from pdmesh.services.ops import certs
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import tickets
 
 TOOLS_USER = "tools"
 ROLES = ("gateway", "admission", "prefill", "decode", "colocated")
@@ -157,26 +162,62 @@ def env_file(ident: Identity) -> str:
     return f"PDMESH_NATS_USER={ident.user}\nPDMESH_NATS_PASSWORD={ident.password}\n"
 
 
+# The key files of a secrets directory: file -> (env var, the roles that mount it).
+KEY_FILES = {"signing.env": ("PDMESH_SIGNING_KEY", ("admission",)),
+             "verify.env": ("PDMESH_VERIFY_KEY", ("prefill", "decode", "colocated")),
+             "salt.env": ("PDMESH_SALT_KEY", ("gateway",))}
+
+
+class SecretsError(Exception):
+    """A secrets directory file that cannot be used as it is."""
+
+
+def _env_value(path: Path, var: str) -> str:
+    """The value of `var` in an env file, checked to be a 32-byte hex key."""
+    for line in path.read_text().splitlines():
+        name, sep, value = line.strip().partition("=")
+        if sep and name == var:
+            if tickets.key_problem(value.strip()):
+                raise SecretsError(f"{path}: {var} {tickets.key_problem(value.strip())}")
+            return value.strip()
+    raise SecretsError(f"{path} has no {var}=")
+
+
 def write_secrets(out: Path, roles: Iterable[str] = ROLES, hosts: Sequence[str] = (),
                   tls_dir: str = COMPOSE_SECRETS) -> list[Path]:
     """Write a compose secrets directory: `nats.conf`, `nats-<user>.env` per identity, and
-    `mesh.env` when missing (an existing one is kept: every host must share it). With
-    `hosts` (multi-host) also a fresh dev CA and server certificate (`certs.make_certs`) and
-    `nats-cluster.conf`, which names them as the server sees them in `tls_dir` (compose:
-    /run/secrets). Files are 0644 (the containers run as other uids) except the CA key;
-    keep the directory itself private."""
+    the keys, one file per holder: `signing.env` (admission's Ed25519 signing key),
+    `salt.env` (the gateway's cache-salt key), each made when missing and kept when present
+    (every host of a stack must share them), and `verify.env` (the workers' verify key),
+    always the public key of `signing.env`'s. With `hosts` (multi-host) also a fresh dev CA
+    and server certificate (`certs.make_certs`) and `nats-cluster.conf`, which names them
+    as the server sees them in `tls_dir` (compose: /run/secrets). Files are 0644 (the
+    containers run as other uids) except the CA key; keep the directory itself private.
+    Raises SecretsError when a kept key file is malformed (nothing is written then)."""
     out.mkdir(parents=True, exist_ok=True)
+    signing, salt, verify = out / "signing.env", out / "salt.env", out / "verify.env"
+    sign_var, salt_var, verify_var = (KEY_FILES[p.name][0] for p in (signing, salt, verify))
+    files: dict[Path, str] = {}
+    if signing.exists():
+        signing_key = _env_value(signing, sign_var)
+    else:
+        signing_key = tickets.generate_signing_key()
+        files[signing] = f"{sign_var}={signing_key}\n"
+    if salt.exists():
+        _env_value(salt, salt_var)
+    else:
+        files[salt] = f"{salt_var}={secrets.token_hex(32)}\n"
+    verify_text = f"{verify_var}={tickets.verify_key_of(signing_key)}\n"
+    if not verify.exists() or verify.read_text() != verify_text:
+        files[verify] = verify_text
     ids = role_identities(roles)
-    files = {out / "nats.conf": server_config(ids.values())}
+    files[out / "nats.conf"] = server_config(ids.values())
     written = []
     if hosts:
         written = certs.make_certs(out, hosts)
         files[out / "nats-cluster.conf"] = cluster_server_config(
             ids.values(), hosts, secrets.token_urlsafe(24), tls_dir)
     files.update({out / f"nats-{user}.env": env_file(ident) for user, ident in ids.items()})
-    mesh = out / "mesh.env"
-    if not mesh.exists():
-        files[mesh] = f"PDMESH_MESH_SECRET={secrets.token_hex(32)}\n"
     for path, text in files.items():
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
@@ -227,10 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pdmesh secrets",
         description="Write NATS credentials (one role-level user per role, per-subject "
-                    "permissions) and a mesh secret into a compose secrets directory.")
+                    "permissions) and the mesh's keys (signing.env for admission, verify.env "
+                    "for the workers, salt.env for the gateway) into a compose secrets "
+                    "directory.")
     parser.add_argument("--out", required=True, type=Path,
                         help="secrets directory (e.g. compose/secrets); nats files are "
-                             "replaced, an existing mesh.env is kept")
+                             "replaced, existing signing.env and salt.env are kept "
+                             "(verify.env follows signing.env)")
     parser.add_argument("--roles", default=",".join(ROLES),
                         help="comma-separated roles (default: %(default)s)")
     parser.add_argument("--hosts", default="",
@@ -251,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         written = write_secrets(args.out, roles, hosts)
-    except certs.CertError as exc:
+    except (certs.CertError, SecretsError) as exc:
         print(f"pdmesh secrets: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Histogram
@@ -42,14 +43,14 @@ from pdmesh.services.engine.model import prefill_windows
 from pdmesh.services.engine.sampling import Sampler
 from pdmesh.services.prefill.scheduler import PrefillQueue
 from pdmesh.services.protocol import messages as m
-from pdmesh.services.protocol import tickets
+from pdmesh.services.protocol import streamauth, tickets
 from pdmesh.services.protocol.capacity import prefill_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime.config import PrefillConfig
 from pdmesh.services.runtime.service import counter_total
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
-from pdmesh.transports import KVTransport, PagesReady, Reason, TransferError, TransferPlan
+from pdmesh.transports import KVTransport, PagesReady, TransferError, TransferPlan
 from pdmesh.transports.framing import transfer_key
 
 # What prefill does with a dispatch before its own gate (production: take it as it came;
@@ -58,9 +59,10 @@ DispatchIntake = Callable[[m.PrefillDispatch, Mapping[str, str] | None],
                           m.PrefillDispatch | None]
 
 
-def transfer_plan(d: m.PrefillDispatch, deadline_s: float, mesh_secret: str) -> TransferPlan:
+def transfer_plan(d: m.PrefillDispatch, deadline_s: float) -> TransferPlan:
     """The decode reservation of a dispatch, as the transport's plan: the one conversion
-    (its frames are MACed under the reservation's key, derived from the mesh secret). The
+    (its frames are MACed under the reservation's key, derived from the data key admission
+    made for this reservation and sent to this worker and the decode worker only). The
     plan is made before the first token is sampled: the streamed send's commit takes the
     token from `PagesReady.complete()`, so the plan's own `first_token` is never sent."""
     r = d.reservation
@@ -68,7 +70,8 @@ def transfer_plan(d: m.PrefillDispatch, deadline_s: float, mesh_secret: str) -> 
                         dest_page_ids=tuple(r.page_ids), num_tokens=len(d.prompt_ids),
                         page_tokens=r.page_tokens, page_bytes=r.page_bytes,
                         first_token=0, deadline_s=deadline_s,
-                        key=transfer_key(mesh_secret, r.reservation_id, r.epoch))
+                        key=transfer_key(bytes.fromhex(d.data_key), r.reservation_id,
+                                         r.epoch))
 
 
 def zero_tail(pool: KVPool, lease: Lease, num_tokens: int) -> None:
@@ -243,7 +246,7 @@ class PrefillService(WorkerBase):
             self.verifier.verify(d.ticket, prompt_len=len(d.prompt_ids))
             problem = self._recheck(d)
             if not problem:  # the grant binds prompt and reservation to the ticket
-                tickets.verify_grant(self.cfg.mesh_secret, d)
+                tickets.verify_grant(self.cfg.verify_key, d)
         except TicketError as exc:
             self.ticket_refusals.labels(exc.reason.split(" ")[0]).inc()
             await self._give_up(d, m.Outcome(code=m.Code.TICKET_INVALID, detail=str(exc)),
@@ -272,6 +275,11 @@ class PrefillService(WorkerBase):
             return refusal
         if min(d.prompt_ids) < 0 or max(d.prompt_ids) >= vocab:
             return f"token id out of range 0..{vocab - 1}"
+        try:
+            streamauth.parse_key(d.stream_key)
+            streamauth.parse_key(d.data_key)
+        except ValueError as exc:
+            return f"bad request keys: {exc}"
         r = d.reservation
         if r.page_tokens != self.pool.spec.page_tokens or len(r.page_ids) != pages_for(
                 n, r.page_tokens):
@@ -285,13 +293,25 @@ class PrefillService(WorkerBase):
         rid = d.ticket.request_id
         log.warning("prefill gives up on %s: %s", rid, outcome.detail)
         try:
-            await self.rt.publish(m.release_subject(d.ticket.decode_worker), m.Release(
+            await self._tell(d, m.release_subject(d.ticket.decode_worker), m.Release(
                 request_id=rid, reservation_id=d.reservation.reservation_id,
                 outcome=outcome))  # guard: release-on-reject
-            await self.rt.publish(m.tokens_subject(rid),
-                                  m.StreamFailed(request_id=rid, outcome=outcome))
+            await self._tell(d, m.tokens_subject(rid),
+                             m.StreamFailed(request_id=rid, outcome=outcome))
         except (nats.errors.Error, OSError) as exc:
             log.error("telling decode and the client about %s failed: %s", rid, exc)
+
+    async def _tell(self, d: m.PrefillDispatch, subject: str, msg: msgspec.Struct) -> None:
+        """Publish about `d`'s request on its stream or to its decode worker, MACed under the
+        request's stream key (streamauth.py). A dispatch without a valid key (refused by
+        `_recheck`) can speak for nobody: nothing is sent."""
+        try:
+            key = streamauth.parse_key(d.stream_key)
+        except ValueError:
+            log.warning("no valid stream key for %s: %s not sent", d.ticket.request_id,
+                        type(msg).__name__)
+            return
+        await self.rt.publish_authenticated(subject, msg, key)
 
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
         job = self.queue.get(ab.request_id)
@@ -312,8 +332,8 @@ class PrefillService(WorkerBase):
                                 reservation_id=d.reservation.reservation_id,
                                 done_tokens=job.done_tokens, total_tokens=job.prompt_len)
         try:
-            await self.rt.publish(m.release_subject(d.ticket.decode_worker), msg)
-            await self.rt.publish(m.tokens_subject(job.request_id), msg)
+            await self._tell(d, m.release_subject(d.ticket.decode_worker), msg)
+            await self._tell(d, m.tokens_subject(job.request_id), msg)
         except (nats.errors.Error, OSError) as exc:
             log.warning("progress of %s not sent: %s", job.request_id, exc)
 
@@ -441,7 +461,7 @@ class PrefillService(WorkerBase):
                               self.model.tokenizer.eos_token_ids)
         first = sampler.sample(logits)
         if d.sampling.logprobs is not None:  # flushed with the cache info below
-            await self.rt.publish(m.tokens_subject(job.request_id), m.FirstTokenLogprobs(
+            await self._tell(d, m.tokens_subject(job.request_id), m.FirstTokenLogprobs(
                 request_id=job.request_id, token_id=first,
                 logprobs=sampler.take_logprobs(first)))
         await self._report_cached(d, lease.cached_tokens)
@@ -469,7 +489,7 @@ class PrefillService(WorkerBase):
         d, life = job.dispatch, job.lifecycle
         assert job.pages is not None and job.lease is not None
         unreachable = ""  # why decode's data address could not be reached, if it could not
-        plan = transfer_plan(d, self.cfg.transfer_deadline_s, self.cfg.mesh_secret)
+        plan = transfer_plan(d, self.cfg.transfer_deadline_s)
         sent_at = time.monotonic()
         try:
             ack = await self.transport.send(d.reservation.data_address, plan, buffers,
@@ -488,8 +508,8 @@ class PrefillService(WorkerBase):
             self.transfers.labels(exc.reason.name.lower()).inc()
             self._fail_job(job, m.Code.TRANSFER_FAILED, f"KV transfer failed: {exc}",
                            "transfer_failed")
-            if exc.reason is Reason.PEER_LOST and exc.detail.startswith("connect "):
-                unreachable = exc.detail  # the transports' connect failure
+            if exc.unreachable:  # cannot connect, or cannot take a transfer now
+                unreachable = exc.detail
         except Exception as exc:
             log.exception("KV send of %s failed", job.request_id)
             self._fail_job(job, m.Code.INTERNAL, f"KV send failed: {exc}", "error")
@@ -515,7 +535,7 @@ class PrefillService(WorkerBase):
     async def _publish_timing(self, job: PrefillJob, transfer_s: float,
                               exposed_s: float) -> None:
         try:
-            await self.rt.publish(m.tokens_subject(job.request_id), m.PhaseTiming(
+            await self._tell(job.dispatch, m.tokens_subject(job.request_id), m.PhaseTiming(
                 request_id=job.request_id, queue_s=job.started_at - job.received_at,
                 prefill_s=job.computed_at - job.started_at, transfer_s=transfer_s,
                 exposed_transfer_s=exposed_s))
@@ -548,7 +568,7 @@ class PrefillService(WorkerBase):
         (the gateway ignores info events after the stream ended)."""
         rid = d.ticket.request_id
         try:
-            await self.rt.publish(m.tokens_subject(rid), m.PrefixCacheInfo(
+            await self._tell(d, m.tokens_subject(rid), m.PrefixCacheInfo(
                 request_id=rid, prompt_tokens=len(d.prompt_ids), cached_tokens=cached))
             await self.rt.nc.flush(timeout=1)
         except (nats.errors.Error, TimeoutError) as exc:  # only the usage figure is at stake

@@ -160,7 +160,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
-    """Gateway -> admission. The gateway has already authenticated the tenant."""
+    """Gateway -> admission. The gateway has already authenticated the tenant.
+    `stream_key`: the gateway's fresh key for this request's stream (streamauth.py);
+    admission hands it to the two workers it chooses, and the gateway takes only events
+    MACed under it."""
 
     request_id: str
     tenant: str
@@ -168,6 +171,7 @@ class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     prompt_ids: list[int]
     max_tokens: int
     sampling: Sampling = Sampling()
+    stream_key: str = ""
 
 
 class AdmittedTicket(msgspec.Struct, frozen=True, kw_only=True):
@@ -220,8 +224,15 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, tag="reserve"):
+    """Admission -> the chosen decode worker. `stream_key` authenticates the request's
+    stream and the prefill's messages to decode (streamauth.py); `data_key` is admission's
+    fresh key for this reservation's KV frames (framing.transfer_key). Only the two workers
+    of the request learn them, on their own subjects."""
+
     ticket: AdmittedTicket
     sampling: Sampling = Sampling()
+    stream_key: str = ""
+    data_key: str = ""
 
 
 class ReserveCancel(msgspec.Struct, frozen=True, kw_only=True, tag="reserve_cancel"):
@@ -260,9 +271,12 @@ class PrefillDispatch(msgspec.Struct, frozen=True, kw_only=True, tag="dispatch")
     prompt_ids: list[int]
     sampling: Sampling
     reservation: Reservation
-    # Admission's HMAC over the ticket, prompt digest and reservation (tickets.grant()):
-    # prefill refuses a dispatch whose grant does not verify.
+    # Admission's signature over the ticket, prompt digest and reservation
+    # (tickets.Signer.grant()): prefill refuses a dispatch whose grant does not verify.
     grant: str = ""
+    # The request's keys, as decode got them in its ReserveRequest.
+    stream_key: str = ""
+    data_key: str = ""
 
 
 class Release(msgspec.Struct, frozen=True, kw_only=True, tag="release"):

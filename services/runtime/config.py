@@ -35,8 +35,11 @@ from pdmesh.services.runtime.settings import (
     COLOCATED,
     DECODE,
     DEFAULT_HTTP_PORTS,
-    DEV_MESH_SECRET,
+    DEV_SALT_KEY,
+    DEV_SIGNING_KEY,
+    DEV_VERIFY_KEY,
     GATEWAY,
+    KEY_FIELDS,
     MISMATCH_POLICIES,
     PREFILL,
     ROLES,
@@ -51,8 +54,9 @@ from pdmesh.services.runtime.settings import (
     up_settings,
 )
 
-__all__ = ["ALLOW_DEV_ENV", "CONFIGS", "DEFAULT_HTTP_PORTS", "DEV_MESH_SECRET",
-           "MISMATCH_POLICIES", "ROLES", "SCRUB_POLICIES", "SETTINGS", "TRANSPORTS", "WORKERS",
+__all__ = ["ALLOW_DEV_ENV", "CONFIGS", "DEFAULT_HTTP_PORTS", "DEV_SALT_KEY",
+           "DEV_SIGNING_KEY", "DEV_VERIFY_KEY", "DEV_VALUES", "MISMATCH_POLICIES", "ROLES",
+           "SCRUB_POLICIES", "SETTINGS", "TRANSPORTS", "WORKERS",
            "AdmissionConfig", "ArgumentParser", "ColocatedConfig", "DecodeConfig",
            "GatewayConfig", "NatsConfig", "PrefillConfig", "ServiceConfig", "Setting",
            "WorkerConfig", "add_arguments", "check_dev_credentials", "dev_credentials",
@@ -176,8 +180,8 @@ def _error(s: Setting, value: Any, problem: str, source: str | None = None) -> C
     supplied the value)."""
     names = [n for n in (s.flag, s.env) if n and n != source]
     where = f" ({', '.join(names)})" if names else ""
-    return ConfigError(s.field, value, f"{source} {problem}{where}" if source
-                       else f"{problem}{where}")
+    return ConfigError(s.field, "(hidden)" if s.secret else value,
+                       f"{source} {problem}{where}" if source else f"{problem}{where}")
 
 
 def _coerce(s: Setting, raw: Any, source: str) -> Any:
@@ -282,25 +286,35 @@ def _faults_need_permission(cfg: Any, env: Mapping[str, str]) -> None:
 
 
 # -- development credentials -----------------------------------------------------------------
+# The built-in dev value of each credential setting, by field.
+DEV_VALUES = dict(zip(KEY_FIELDS, (DEV_SIGNING_KEY, DEV_VERIFY_KEY, DEV_SALT_KEY),
+                      strict=True))
+
+
+def _dev_findings(cfg: ServiceConfig) -> list[tuple[str, str]]:
+    """(field, what) for each built-in development credential `cfg` holds."""
+    found = [(f, f"the built-in dev {f.replace('_', ' ')} (set {BY_FIELD[f].env})")
+             for f, dev in DEV_VALUES.items() if getattr(cfg, f, None) == dev]
+    if cfg.role == GATEWAY and not cfg.tenants_file:
+        found.append(("tenants_file",
+                      "the bundled dev tenants and API keys (set PDMESH_TENANTS_FILE)"))
+    return found
+
+
 def dev_credentials(cfg: ServiceConfig) -> list[str]:
     """The built-in development credentials this service would run with (empty: none).
     A production start refuses them; `pdmesh up` (`make up`) allows them and says so."""
-    found = []
-    if cfg.role in ROLES and cfg.mesh_secret == DEV_MESH_SECRET:
-        found.append("the built-in dev mesh secret (set PDMESH_MESH_SECRET)")
-    if cfg.role == GATEWAY and not cfg.tenants_file:
-        found.append("the bundled dev tenants and API keys (set PDMESH_TENANTS_FILE)")
-    return found
+    return [what for _, what in _dev_findings(cfg)]
 
 
 def check_dev_credentials(cfg: ServiceConfig, allowed: bool) -> None:
     """Raise ConfigError when `cfg` uses dev credentials and they are not allowed."""
-    found = dev_credentials(cfg)
+    found = _dev_findings(cfg)
     if found and not allowed:  # guard: dev-credentials
-        raise ConfigError("mesh_secret" if "secret" in found[0] else "tenants_file",
-                          "(built-in default)",
-                          f"{cfg.role} would run with {' and '.join(found)}; pass "
-                          f"--allow-dev-credentials or {ALLOW_DEV_ENV}=1 for local development")
+        raise ConfigError(found[0][0], "(built-in default)",
+                          f"{cfg.role} would run with {' and '.join(w for _, w in found)}; "
+                          f"pass --allow-dev-credentials or {ALLOW_DEV_ENV}=1 for local "
+                          "development")
 
 
 def replace(cfg: NatsConfig, **changes: Any) -> NatsConfig:

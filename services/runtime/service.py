@@ -35,8 +35,9 @@ from prometheus_client import (
 )
 
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import streamauth
 from pdmesh.services.protocol.errors import StartupError
-from pdmesh.services.runtime.config import DEV_MESH_SECRET, ServiceConfig
+from pdmesh.services.runtime.config import ServiceConfig
 
 log = logging.getLogger("pdmesh.runtime")
 DRAIN_TIMEOUT_S = 3.0  # flushing NATS on shutdown; a dead server must not hold us longer
@@ -81,6 +82,10 @@ class ServiceRuntime:
         self.bad_messages = Counter(
             "pdmesh:bad_messages_total", "Control messages that failed to decode",
             ["service", "subject"], registry=self.registry)
+        self.refused_messages = Counter(
+            "pdmesh:refused_messages_total", "Well-formed control messages dropped because "
+            "their sender may not send them (kind: heartbeat_subject, stream_mac, peer_mac, "
+            "stale_progress)", ["service", "kind"], registry=self.registry)
         self.handler_errors = Counter(
             "pdmesh:handler_errors_total", "Handlers that raised unexpectedly",
             ["service", "subject"], registry=self.registry)
@@ -114,10 +119,6 @@ class ServiceRuntime:
 
     async def connect(self) -> None:
         """Connect to NATS, retrying until nats_connect_timeout_s, then reconnect forever."""
-        if self.cfg.mesh_secret == DEV_MESH_SECRET and self.role in ("admission", "prefill",
-                                                                      "decode"):
-            log.warning("%s uses the built-in dev mesh secret; set PDMESH_MESH_SECRET in "
-                        "production", self.role)
         tls: ssl.SSLContext | None = None
         if self.cfg.nats_tls_ca:  # multi-host NATS: verify the servers against this CA
             try:
@@ -242,6 +243,35 @@ class ServiceRuntime:
                 await self._guarded(handler, obj, msg, subject)
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+
+    async def subscribe_heartbeats(self, subject: str,
+                                   handler: Callable[[m.Heartbeat, Msg], Awaitable[None]]
+                                   ) -> None:
+        """Heartbeats on `subject` (a wildcard of heartbeat subjects), each handled in order.
+        The role and worker id are the subject's: NATS lets a worker publish only on its
+        own heartbeat subject, so a body naming another worker or role is dropped and
+        counted (`refused_messages{kind="heartbeat_subject"}`), never believed."""
+
+        async def bound(beat: m.Heartbeat, msg: Msg) -> None:
+            if msg.subject != m.heartbeat_subject(beat.role.value,  # guard: heartbeat-subject
+                                                  beat.worker_id):
+                self.refuse("heartbeat_subject", f"a heartbeat on {msg.subject} names "
+                            f"{beat.role.value} {beat.worker_id}")
+                return
+            await handler(beat, msg)
+
+        await self.subscribe(subject, m.Heartbeat, bound, concurrent=False)
+
+    def refuse(self, kind: str, detail: str) -> None:
+        """Count (and log at debug: a flood must not flood the log) a dropped message."""
+        self.refused_messages.labels(self.role, kind).inc()
+        log.debug("%s: dropped: %s", self.role, detail)
+
+    async def publish_authenticated(self, subject: str, msg: msgspec.Struct,
+                                    key: bytes) -> None:
+        """Publish with the MAC of the request's stream key (streamauth.py). msgpack
+        encoding is deterministic, so the bytes `publish` sends are the bytes MACed here."""
+        await self.publish(subject, msg, headers=streamauth.sign(key, subject, m.encode(msg)))
 
     async def _guarded(self, handler: Callable[[Any, Msg], Awaitable[None]], obj: Any, msg: Msg,
                        subject: str) -> None:

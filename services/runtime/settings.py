@@ -36,7 +36,14 @@ SCRUB_POLICIES = ("none", "zero", "poison")
 MISMATCH_POLICIES = ("clamp", "fail")
 DEFAULT_HTTP_PORTS = {ADMISSION: 8101, PREFILL: 8102, DECODE: 8103, COLOCATED: 8104,
                       GATEWAY: 8000}
-DEV_MESH_SECRET = "pdmesh-dev-secret-change-me"
+# Built-in development keys (hex, 32 bytes each): a start with any of them is refused unless
+# --allow-dev-credentials. DEV_VERIFY_KEY is the public key of DEV_SIGNING_KEY.
+DEV_SIGNING_KEY = "d5e42877e649e43fe4d28fbb483ba9d27acbbf7384e02d15273c198b22bd3348"
+DEV_VERIFY_KEY = "49a65df4708534105c083424c6f01e5233de64e19fd3f264baf7fa06483c73e7"
+DEV_SALT_KEY = "5945508ef8d8b58b3647825e5abd0c363a4be83d2a537fe6576984a6d3b02678"
+KEY_HEX_CHARS = 64
+# The key settings, each held by one role only (`pdmesh up` hands each to its role alone).
+KEY_FIELDS = ("signing_key", "verify_key", "salt_key")
 NATS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
 
 
@@ -66,6 +73,15 @@ def nats_urls(value: str) -> str | None:
         if bad else None
 
 
+def hex_key(value: str) -> str | None:
+    """A 32-byte key written as 64 hex characters."""
+    if len(value) != KEY_HEX_CHARS:
+        return f"must be {KEY_HEX_CHARS} hex characters, not {len(value)}"
+    if any(c not in "0123456789abcdefABCDEF" for c in value):
+        return "must be hex (0-9, a-f)"
+    return None
+
+
 def split_urls(value: str) -> list[str]:
     return [u.strip() for u in (value or "nats://127.0.0.1:4222").split(",")]
 
@@ -76,7 +92,8 @@ class Setting:
     process-level, read by `read_by`). `up`: also a flag of `pdmesh up`, which hands the
     value to every role of the mesh that uses it. `serve`: a process-level flag of every
     `pdmesh serve <role>` (the command reads it; no config carries it). `read_by`: files
-    that read the env var themselves rather than through a config."""
+    that read the env var themselves rather than through a config. `secret`: a start-up
+    error names the setting but does not print its value."""
 
     field: str
     flag: str | None
@@ -90,6 +107,7 @@ class Setting:
     up: bool = False
     serve: bool = False
     read_by: tuple[str, ...] = ()
+    secret: bool = False  # an error about a bad value does not repeat it
 
     def __post_init__(self) -> None:
         assert self.env.startswith("PDMESH_"), self.env
@@ -110,7 +128,8 @@ SETTINGS: tuple[Setting, ...] = (
             "gives every process its own user with per-subject permissions "
             "(services/ops/natsauth.py).", NATS),
     Setting("nats_password", "--nats-password", "PDMESH_NATS_PASSWORD", str, "",
-            "Password of `--nats-user` (prefer the env var: flags show in `ps`).", NATS),
+            "Password of `--nats-user` (prefer the env var: flags show in `ps`).", NATS,
+            secret=True),
     Setting("nats_tls_ca", "--nats-tls-ca", "PDMESH_NATS_TLS_CA", str, "",
             "CA certificate file that NATS servers' TLS certificates must chain to (multi-host "
             "NATS; `pdmesh certs` makes a dev CA), checked with the server's name whenever "
@@ -140,11 +159,25 @@ SETTINGS: tuple[Setting, ...] = (
             "Data-plane port; 0 picks a free one and advertises it.", WORKERS, check=port),
     Setting("advertise_host", "--advertise-host", "PDMESH_ADVERTISE_HOST", str, "",
             "Host peers use to reach this worker's data plane. Empty: --data-host.", WORKERS),
-    Setting("mesh_secret", "--mesh-secret", "PDMESH_MESH_SECRET", str, DEV_MESH_SECRET,
-            "HMAC key for admission tickets; same on every service. The default is for dev "
-            "only and is logged as a warning.", ROLES, up=True),
+    Setting("signing_key", "--signing-key", "PDMESH_SIGNING_KEY", str, DEV_SIGNING_KEY,
+            "Admission's Ed25519 signing key (hex of the 32-byte private seed) for tickets and "
+            "grants; no other role holds it. `pdmesh secrets` writes one to signing.env; "
+            "`pdmesh up` makes a fresh one per run unless given. The default is a dev key, "
+            "refused without --allow-dev-credentials.", (ADMISSION,), check=hex_key, up=True,
+            secret=True),
+    Setting("verify_key", "--verify-key", "PDMESH_VERIFY_KEY", str, DEV_VERIFY_KEY,
+            "Workers: the public key of admission's --signing-key (hex, 32 bytes), which "
+            "checks tickets and grants and cannot make them. `pdmesh secrets` writes it to "
+            "verify.env; `pdmesh up` derives it from the signing key. The default is the dev "
+            "key's, refused without --allow-dev-credentials.", WORKERS, check=hex_key),
+    Setting("salt_key", "--salt-key", "PDMESH_SALT_KEY", str, DEV_SALT_KEY,
+            "Gateway: HMAC key (hex, 32 bytes) deriving each tenant's cache salt; no other "
+            "role holds it. `pdmesh secrets` writes one to salt.env; `pdmesh up` makes a fresh "
+            "one per run unless given. The default is a dev key, refused without "
+            "--allow-dev-credentials.", (GATEWAY,), check=hex_key, up=True, secret=True),
     Setting("tenants_file", "--tenants", "PDMESH_TENANTS_FILE", str, "",
-            "Gateway tenants TOML ([[tenant]] id, api_keys). Empty: bundled dev tenants.",
+            "Gateway tenants TOML ([[tenant]] id, api_keys and/or api_key_sha256s). Empty: "
+            "bundled dev tenants.",
             (GATEWAY,), up=True),
     Setting("max_context", "--max-context", "PDMESH_MAX_CONTEXT", int, 0,
             "Configured context length in tokens. 0: the model's own maximum.",
@@ -247,8 +280,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a command line alone cannot turn fault injection on).",
             read_by=("services/runtime/config.py",)),
     Setting("allow_dev_credentials", "--allow-dev-credentials", "PDMESH_ALLOW_DEV_CREDENTIALS",
-            bool, False, "Start even with the built-in dev mesh secret or the bundled dev "
-            "tenants (local development only; `make up` passes it).", up=True, serve=True,
+            bool, False, "Start even with a built-in dev key (signing, verify or salt) or "
+            "the bundled dev tenants (local development only; `make up` passes it).",
+            up=True, serve=True,
             read_by=("services/ops/cli.py",)),
     Setting("cache_dir", None, "PDMESH_CACHE_DIR", str, "~/.cache/pdmesh",
             "Where fetched models are kept, and the engine's native decode kernels once built "

@@ -69,8 +69,8 @@ class DataPlaneCollector:
         if retired is not None:
             yield GaugeMetricFamily(
                 "pdmesh:data_plane_staging_retired",
-                "nixl staging regions whose sender never said its writes ended: held, never "
-                "lent again", value=retired)
+                "nixl staging regions whose sender never said its writes ended: held until "
+                "released or retired_s passed", value=retired)
 
 
 def make_worker_transport(cfg: WorkerConfig) -> KVTransport:
@@ -111,7 +111,7 @@ class WorkerBase:
         # Injected by tests and by the fault wiring of a test mesh (services/faults.py).
         self.transport: KVTransport = transport or make_worker_transport(cfg)
         self.data_address = ""
-        self.verifier = TicketVerifier(cfg.mesh_secret, cfg.worker_id, self.role)
+        self.verifier = TicketVerifier(cfg.verify_key, cfg.worker_id, self.role)
         # One thread runs the engine so torch work never blocks the event loop and engine
         # calls never overlap (the pool is mutated only on the event loop thread).
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")

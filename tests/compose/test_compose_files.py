@@ -98,7 +98,6 @@ STACKS = [[LAB], [LAB, CI_OVERRIDE], [LAB, UCX_OVERRIDE],
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 @pytest.mark.parametrize("files", STACKS, ids=lambda fs: "+".join(f.name for f in fs))
 def test_docker_compose_accepts(files: list[Path], tmp_path: Path) -> None:
-    (tmp_path / "mesh.env").write_text("PDMESH_MESH_SECRET=test\n")
     natsauth.write_secrets(tmp_path, hosts=["10.0.0.10", "10.0.0.11", "10.0.0.12"])
     (tmp_path / "tenants.toml").write_text('[[tenant]]\nid = "t"\napi_keys = ["k"]\n')
     env = {**os.environ, **CONFIG_ENV, "PDMESH_SECRETS_DIR": str(tmp_path)}
@@ -190,6 +189,21 @@ def test_nats_runs_with_credentials_from_secrets(path: Path) -> None:
         env_files = [Path(f).name for f in svc["env_file"]]
         assert [f for f in env_files if f.startswith("nats-")] == [f"nats-{role}.env"], name
         assert role in natsauth.ROLES
+
+
+@pytest.mark.parametrize("path", [LAB, *ROLE_FILES], ids=lambda p: str(p.relative_to(REPO)))
+def test_each_service_mounts_only_its_roles_key(path: Path) -> None:
+    """Admission the signing key, prefill and decode its verify key, the gateway the salt
+    key (`pdmesh secrets`' files): no other service holds a key that signs tickets."""
+    for name, svc in _pdmesh_services(_load(path)).items():
+        role = svc["command"][-1]
+        env_files = [Path(f).name for f in svc["env_file"]]
+        keys = [f for f in env_files if f in natsauth.KEY_FILES]
+        assert [role in natsauth.KEY_FILES[k][1] for k in keys] == [True], (name, env_files)
+        assert [f for f in env_files if f not in keys and not f.startswith("nats-")] == [], \
+            (name, env_files)
+        assert not any(k.startswith("PDMESH_") and "KEY" in k for k in svc["environment"]), \
+            name
 
 
 def test_gateway_is_the_only_published_port() -> None:

@@ -86,13 +86,15 @@ def _largest_control_messages(context: int) -> dict[str, int]:
                           logprobs=20, penalty_prompt_ids=ids)
     request_id = "chatcmpl-" + "f" * 32 + "-7"
     submit = m.SubmitRequest(request_id=request_id, tenant="t" * 64, cache_salt="s" * 64,
-                             prompt_ids=ids, max_tokens=context, sampling=sampling)
+                             prompt_ids=ids, max_tokens=context, sampling=sampling,
+                             stream_key="k" * 64)
     ticket = m.AdmittedTicket(request_id=request_id, tenant="t" * 64, cache_salt="s" * 64,
                               prompt_len=context, max_tokens=context,
                               prefill_worker="p" * 64, decode_worker="d" * 64,
-                              expires_at=1e12, nonce="n" * 64, signature="g" * 64)
+                              expires_at=1e12, nonce="n" * 64, signature="g" * 128)
     dispatch = m.PrefillDispatch(
-        ticket=ticket, prompt_ids=ids, sampling=sampling, grant="g" * 64,
+        ticket=ticket, prompt_ids=ids, sampling=sampling, grant="g" * 128,
+        stream_key="k" * 64, data_key="k" * 64,
         reservation=m.Reservation(reservation_id="r" * 64, epoch=1 << 62,
                                   page_ids=[(1 << 31) - 1 - i for i in range(context)],
                                   page_tokens=1, page_bytes=1 << 30, data_address="a" * 256))

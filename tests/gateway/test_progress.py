@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdmesh.gateway.app import Gateway
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.config import resolve
 from tests.support.meshproc import NatsServer
 
@@ -39,6 +40,7 @@ class ScriptedMesh:
     def __init__(self, nc, script: Script, served_context: int = 4096) -> None:
         self.nc, self.script, self.served_context = nc, script, served_context
         self.submits: list[m.SubmitRequest] = []
+        self.keys: dict[str, bytes] = {}  # request id -> stream key (the workers get it)
         self.aborts: list[str] = []
         self.tasks: set[asyncio.Task] = set()
 
@@ -48,6 +50,7 @@ class ScriptedMesh:
         async def on_submit(msg) -> None:
             req = submits.decode(msg.subject, msg.data)
             self.submits.append(req)
+            self.keys[req.request_id] = streamauth.parse_key(req.stream_key)
             await msg.respond(m.encode(m.Admitted(request_id=req.request_id,
                                                   decode_worker=DECODE,
                                                   prefill_worker=PREFILL)))
@@ -76,7 +79,10 @@ class ScriptedMesh:
             await asyncio.sleep(0.2)
 
     async def send(self, request_id: str, event: m.StreamEvent) -> None:
-        await self.nc.publish(m.tokens_subject(request_id), m.encode(event))
+        """As the request's worker sends it: MACed under the request's stream key."""
+        subject, data = m.tokens_subject(request_id), m.encode(event)
+        await self.nc.publish(subject, data, headers=streamauth.sign(
+            self.keys[request_id], subject, data))
 
     async def progress_for(self, request_id: str, seconds: float, every_s: float = 0.2) -> None:
         """Prefill working on the prompt: a PrefillProgress every `every_s` for `seconds`."""

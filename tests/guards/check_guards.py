@@ -1,6 +1,6 @@
 """Show that each isolation guard is load-bearing: remove it, run its test, expect a failure.
 
-    .venv/bin/python tests/guards/check_guards.py            # all 60 (~18 min on 2 cores)
+    .venv/bin/python tests/guards/check_guards.py            # all 70 (~20 min on 2 cores)
     .venv/bin/python tests/guards/check_guards.py fence epoch  # some of them
 
 Guards are found by tag, not by their text. A guarded statement carries a comment at the end
@@ -513,7 +513,7 @@ MUTATIONS = [
              (Delete("release-on-reject"), Condition("abort-on-disconnect", "False")),
              (ISO + "test_admission_guards.py::"
               "test_asymmetric_prefill_rejection_frees_decode_within_a_second",)),
-    Mutation("ticket-signature", "tickets are HMAC-signed by admission",
+    Mutation("ticket-signature", "tickets are Ed25519-signed by admission",
              (Condition("ticket-signature", "False"),),
              ("tests/protocol/test_tickets.py",
               ISO + "test_admission_guards.py::test_forged_ticket_is_refused_by_decode")),
@@ -590,7 +590,7 @@ MUTATIONS = [
     Mutation("unreachable-set-aside", "admission routes around a worker prefill cannot reach",
              (Expr("unreachable-set-aside", "not self.is_set_aside(e.beat, now)", "True"),),
              ("tests/admission/test_registry.py",)),
-    Mutation("dev-credentials", "a production start refuses the dev secret and dev keys",
+    Mutation("dev-credentials", "a production start refuses the dev keys and dev tenants",
              (Condition("dev-credentials", "False"),),
              ("tests/ops/test_launcher.py::test_dev_credentials_are_refused_unless_allowed",)),
     Mutation("gateway-context", "an over-context prompt is refused before any control "
@@ -694,6 +694,56 @@ MUTATIONS = [
              (Delete("loop-turns"),),
              ("tests/transports/test_loop_turns.py::"
               "test_a_receiver_whose_link_is_always_full_gives_the_loop_turns",)),
+    # Containment: a worker reaches only the requests it serves.
+    Mutation("private-inbox", "each NATS identity may read its own replies only",
+             (Replace("private-inbox", 'inbox = "_INBOX.>"'),),
+             (ISO + "test_containment.py::test_no_identity_reads_another_identitys_replies",
+              ISO + "test_containment_mesh.py::"
+              "test_a_second_prefills_credentials_cannot_touch_a_request_it_does_not_serve")),
+    Mutation("stream-mac", "only a request's own workers, holding its stream key, can write "
+             "its stream or end or keep alive its reservation",
+             (Replace("stream-mac", "return True"),),
+             (ISO + "test_containment.py::"
+              "test_a_worker_that_does_not_serve_a_request_cannot_write_its_answer",
+              "tests/decode/test_progress_liveness.py::"
+              "test_progress_and_release_without_the_request_mac_change_nothing")),
+    Mutation("heartbeat-subject", "a heartbeat is believed only for the worker and role its "
+             "subject names",
+             (Condition("heartbeat-subject", "False"),),
+             (ISO + "test_containment.py::"
+              "test_a_heartbeat_naming_another_worker_is_not_believed",)),
+    Mutation("gateway-max-tokens", "the gateway gives the client no more than max_tokens, "
+             "whatever decode sends",
+             (Condition("gateway-max-tokens", "False"),),
+             (ISO + "test_containment.py::test_the_gateway_holds_decode_to_max_tokens",)),
+    Mutation("first-token-agrees", "decode's first token must be the one prefill sampled",
+             (Condition("first-token-agrees", "False"),),
+             (ISO + "test_containment.py::test_decode_must_start_with_the_token_prefill_sampled",)),
+    Mutation("progress-advances", "progress keeps a reservation only while it advances (or "
+             "the request is still queued)",
+             (Condition("progress-advances", "True"),),
+             ("tests/decode/test_progress_liveness.py::"
+              "test_progress_that_does_not_advance_frees_the_reservation",)),
+    Mutation("nixl-staging-per-reservation", "nixl: links proving one reservation share the "
+             "one staging region lent on that proof (one key holder cannot retire them all)",
+             (Condition("nixl-staging-per-reservation", "False"),),
+             ("tests/transports/test_nixl_staging.py::"
+              "test_links_proving_one_reservation_share_one_staging_region",)),
+    Mutation("nixl-staging-ready", "nixl: a receiver with no staging region to lend reports "
+             "not ready (`accepting`), and ready again once one is free",
+             (Replace("nixl-staging-ready", "return self._listening"),),
+             ("tests/transports/test_nixl_staging.py::"
+              "test_a_receiver_without_a_region_to_lend_is_not_ready_and_refuses_as_unreachable",)),
+    Mutation("nixl-refusal-unreachable", "nixl: a send refused for want of a staging region "
+             "fails `unreachable` (prefill reports the receiver to admission)",
+             (Expr("nixl-refusal-unreachable", "PeerUnreachable", "TransferError"),),
+             ("tests/transports/test_nixl_staging.py::"
+              "test_a_receiver_without_a_region_to_lend_is_not_ready_and_refuses_as_unreachable",)),
+    Mutation("transport-unreachable", "a send that cannot connect to the receiver fails "
+             "`unreachable` (TransferError.unreachable)",
+             (Replace("transport-unreachable", "return False"),),
+             ("tests/transports/test_nixl_staging.py::"
+              "test_unreachable_is_a_connect_failure_or_a_refusal_for_want_of_staging",)),
 ]
 
 

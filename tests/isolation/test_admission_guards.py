@@ -84,20 +84,24 @@ def test_silent_prefill_failure_is_bounded_by_progress(mesh: Mesh) -> None:
 def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
     """Only admission can sign a ticket: a reserve with a forged one gets no pages."""
     import asyncio
+    import secrets
 
     import msgspec
 
-    from pdmesh.services.protocol.tickets import sign
+    from pdmesh.services.protocol.tickets import Signer, generate_signing_key
+    from pdmesh.services.runtime.config import DEV_SIGNING_KEY
 
     decode = next(s for s in worker_stats(mesh.nats_url).values() if s.role is m.Role.DECODE)
 
     async def reserve(ticket: m.AdmittedTicket) -> m.ReserveReply:
         # An insider with admission's NATS identity (the only one allowed to reserve) but
-        # without the mesh secret.
+        # without admission's signing key.
         nc = await meshstats.connect(mesh.nats_url_for("admission"))
         try:
-            reply = await nc.request(m.reserve_subject(decode.worker_id),
-                                     m.encode(m.ReserveRequest(ticket=ticket)), timeout=3)
+            request = m.ReserveRequest(ticket=ticket, stream_key=secrets.token_hex(32),
+                                       data_key=secrets.token_hex(32))
+            reply = await nc.request(m.reserve_subject(decode.worker_id), m.encode(request),
+                                     timeout=3)
             return m.Decoder(m.ReserveReply).decode("reserve", reply.data)
         finally:
             await nc.close()
@@ -105,16 +109,17 @@ def test_forged_ticket_is_refused_by_decode(mesh: Mesh) -> None:
     args = {"request_id": "forged-1", "tenant": "mallory", "cache_salt": "x", "prompt_len": 8,
             "max_tokens": 4, "prefill_worker": "p", "decode_worker": decode.worker_id,
             "ttl_s": 30.0}
-    wrong_key = sign("not-the-mesh-secret", **args)  # type: ignore[arg-type]
-    got = asyncio.run(reserve(wrong_key))
-    assert isinstance(got, m.ReserveRefused) and "bad signature" in got.outcome.detail
-    assert got.outcome.code is m.Code.TICKET_INVALID
-    tampered = msgspec.structs.replace(sign("pdmesh-dev-secret-change-me", **args),  # type: ignore[arg-type]
+    # Any key but this mesh's signing key (the built-in dev one included) is refused.
+    for other in (generate_signing_key(), DEV_SIGNING_KEY):
+        got = asyncio.run(reserve(Signer(other).sign(**args)))  # type: ignore[arg-type]
+        assert isinstance(got, m.ReserveRefused) and "bad signature" in got.outcome.detail
+        assert got.outcome.code is m.Code.TICKET_INVALID
+    tampered = msgspec.structs.replace(Signer(mesh.signing_key).sign(**args),  # type: ignore[arg-type]
                                        prompt_len=1)
     got = asyncio.run(reserve(tampered))
     assert isinstance(got, m.ReserveRefused) and "bad signature" in got.outcome.detail
     after = worker_stats(mesh.nats_url)[decode.worker_id]
-    assert after.counters["tickets_refused"] >= 2
+    assert after.counters["tickets_refused"] >= 3
     assert after.live_leases == 0
 
 

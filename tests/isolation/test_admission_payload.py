@@ -22,6 +22,7 @@ import nats
 from pdmesh.services.admission.service import AdmissionService
 from pdmesh.services.ops import natsauth
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.config import resolve
 from tests.support.meshproc import NatsServer
 
@@ -103,12 +104,15 @@ async def test_a_dispatch_over_max_payload_frees_the_reservation_at_once(tmp_pat
         # prompt plus the signed ticket, the reservation and the grant) does not.
         def submit(n: int) -> m.SubmitRequest:
             return m.SubmitRequest(request_id="req-1", tenant="alice", cache_salt="s",
-                                   prompt_ids=[70_000] * n, max_tokens=4)
+                                   prompt_ids=[70_000] * n, max_tokens=4,
+                                   stream_key=streamauth.new_key())
 
+        # Within 150 bytes of the limit: the dispatch adds the ticket, grant, keys and
+        # reservation (over 500 bytes) to the same prompt.
         n = 1000
-        while len(m.encode(submit(n + 100))) < SMALL_PAYLOAD - 200:
-            n += 100
-        assert len(m.encode(submit(n))) < SMALL_PAYLOAD - 200
+        while len(m.encode(submit(n + 20))) < SMALL_PAYLOAD - 150:
+            n += 20
+        assert SMALL_PAYLOAD - 250 < len(m.encode(submit(n))) < SMALL_PAYLOAD - 150
         reply = await gateway.request(m.SUBMIT_SUBJECT, m.encode(submit(n)), timeout=10)
         answer = m.Decoder(m.SubmitReply).decode(reply.subject, reply.data)
         assert isinstance(answer, m.Rejected), answer

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import msgspec
 import pytest
@@ -21,9 +20,9 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.transports.base import ExpectedTransfer, TransportStats
 from pdmesh.transports.framing import HEADER_SIZE, FrameError, Kind, decode_header, encode_header
 from pdmesh.transports.receiver import ReceiveTable
+from tests.support.fuzz import EXAMPLES
 
 pytestmark = pytest.mark.slow
-EXAMPLES = int(os.environ.get("PDMESH_FUZZ_EXAMPLES", "1000"))
 CASES = settings(max_examples=EXAMPLES, deadline=None, database=None,
                  suppress_health_check=list(HealthCheck))
 

@@ -193,12 +193,13 @@ def test_compose_secrets_refuse_strangers_and_keep_roles_apart(
     assert len(violations) >= 2, violations  # the decode heartbeat and the reserve subscription
 
 
-def test_pdmesh_secrets_keeps_an_existing_mesh_secret(tmp_path: Path) -> None:
-    """Every host of a multi-host mesh must share one mesh secret: rewriting the NATS
-    credentials never replaces it."""
-    (tmp_path / "mesh.env").write_text("PDMESH_MESH_SECRET=shared\n")
+def test_pdmesh_secrets_keeps_the_existing_keys(tmp_path: Path) -> None:
+    """Every host of a multi-host mesh must share the keys: rewriting the NATS credentials
+    never replaces them (tests/ops/test_secrets.py checks the key files themselves)."""
     assert natsauth.main(["--out", str(tmp_path)]) == 0
-    assert (tmp_path / "mesh.env").read_text() == "PDMESH_MESH_SECRET=shared\n"
+    keys = {name: (tmp_path / name).read_text() for name in natsauth.KEY_FILES}
+    assert natsauth.main(["--out", str(tmp_path)]) == 0
+    assert {name: (tmp_path / name).read_text() for name in natsauth.KEY_FILES} == keys
     conf = (tmp_path / "nats.conf").read_text()
     for role in natsauth.ROLES:
         password = _env(tmp_path / f"nats-{role}.env")["PDMESH_NATS_PASSWORD"]

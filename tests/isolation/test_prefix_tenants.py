@@ -9,7 +9,6 @@ import pytest
 
 from pdmesh.gateway.tenants import TenantDirectory
 from pdmesh.services.engine.model import PREFILL_CHUNK
-from pdmesh.services.runtime.config import DEV_MESH_SECRET
 from tests.support.meshproc import DEV_KEYS, Mesh
 from tests.support.oracle import expected_text
 
@@ -54,7 +53,7 @@ def test_same_tenant_hits_other_tenant_never(live_mesh: Mesh) -> None:
     # A client cannot pick a salt: even alice's real (server-side) salt sent by carol is
     # either refused or changes nothing (carol's first run misses; later ones hit only
     # what carol herself cached).
-    alice_salt = TenantDirectory.load("", DEV_MESH_SECRET).authenticate(
+    alice_salt = TenantDirectory.load("", live_mesh.salt_key).authenticate(
         f"Bearer {DEV_KEYS['alice']}").cache_salt
     carol_runs = 0
     for salt in (alice_salt, "alice"):

@@ -57,6 +57,12 @@ def test_lab_services_get_the_compose_environment(host: str, tmp_path: Path) -> 
         # The role's NATS user, from the env file compose reads (same name as the lab's).
         env_files = [Path(f).name for f in service["env_file"]]
         assert f"nats-{role}.env" in env_files
+        # The role's key, from its key file, and no other role's (compose: env_file).
+        (key_file,) = [f for f in env_files if f in natsauth.KEY_FILES]
+        key_var = natsauth.KEY_FILES[key_file][0]
+        held = [v for v, _ in natsauth.KEY_FILES.values() if v in env]
+        assert held == [key_var], (role, held)
+        assert (tmp_path / key_file).read_text() == f"{key_var}={env[key_var]}\n"
         assert env["PDMESH_NATS_USER"] == role
         assert env["PDMESH_NATS_TLS_CA"].endswith("/nats-ca.crt")
         assert service["environment"]["PDMESH_NATS_TLS_CA"] == "/run/secrets/nats-ca.crt"

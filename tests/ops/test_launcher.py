@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import secrets
 import subprocess
 import sys
 import time
 
 import pytest
 
+from pdmesh.services.ops import cli
+from pdmesh.services.ops.launcher import KEY_ENV, Launcher
+from pdmesh.services.ops.topology import mesh_services
+from pdmesh.services.protocol import tickets
+from pdmesh.services.runtime.config import up_settings
 from tests.support.meshproc import REPO, NatsServer, mesh_env, run_mesh
 from tests.support.oracle import expected_text
 
@@ -111,18 +118,49 @@ def test_port_in_use_is_one_clear_line() -> None:
 
 
 def test_dev_credentials_are_refused_unless_allowed() -> None:
-    """A production start never runs on the built-in mesh secret or the bundled dev keys by
+    """A production start never runs on a built-in dev key or the bundled dev API keys by
     accident: one clear line, nothing started; `make up` passes --allow-dev-credentials."""
-    env = {k: v for k, v in mesh_env().items() if k != "PDMESH_ALLOW_DEV_CREDENTIALS"}
-    _one_clear_line(_run("serve", "decode", env=env), "dev mesh secret",
+    env = {k: v for k, v in mesh_env().items() if k != "PDMESH_ALLOW_DEV_CREDENTIALS"
+           and k not in KEY_ENV}
+    _one_clear_line(_run("serve", "decode", env=env), "dev verify key",
+                    "--allow-dev-credentials")
+    _one_clear_line(_run("serve", "admission", env=env), "dev signing key",
                     "--allow-dev-credentials")
     tenants = REPO / "gateway" / "dev_tenants.toml"
-    _one_clear_line(_run("serve", "gateway", env={**env, "PDMESH_MESH_SECRET": "s3cret"}),
-                    "dev tenants")
-    _one_clear_line(_run("up", "--model", "tiny", env=env), "dev mesh secret",
+    salt = {"PDMESH_SALT_KEY": secrets.token_hex(32)}
+    _one_clear_line(_run("serve", "gateway", env={**env, **salt}), "dev tenants")
+    _one_clear_line(_run("serve", "gateway", env={**env, "PDMESH_TENANTS_FILE": str(tenants)}),
+                    "dev salt key")
+    # `pdmesh up` makes fresh keys, so the bundled tenants are what it refuses.
+    _one_clear_line(_run("up", "--model", "tiny", env=env), "dev tenants",
                     "--allow-dev-credentials")
     # Real credentials pass the gate (this start then fails on purpose: no NATS there).
     proc = _run("serve", "gateway", "--nats-url", "nats://127.0.0.1:1", env={
-        **env, "PDMESH_MESH_SECRET": "s3cret", "PDMESH_TENANTS_FILE": str(tenants),
+        **env, **salt, "PDMESH_TENANTS_FILE": str(tenants),
         "PDMESH_NATS_CONNECT_TIMEOUT_S": "1", "PDMESH_GATEWAY_PORT": "0"})
     _one_clear_line(proc, "NATS", "unreachable")
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_each_process_gets_only_its_roles_key(colocated: bool) -> None:
+    """The environment the launcher builds per process: admission the signing key, the
+    workers its verify key, the gateway the salt key, and a key in the launcher's own
+    environment reaches nobody it is not handed to."""
+    args = argparse.Namespace(**{s.field: None for s in up_settings()})
+    cfgs = cli.up_configs(args, colocated=colocated, env={})
+    launcher = Launcher(nats_url="nats://127.0.0.1:4222", gateway_port=8000, prefill=2,
+                        decode=2, env=cli.up_env(cfgs, allow_dev=True), colocated=colocated)
+    specs = mesh_services(prefill=1 if colocated else 2, decode=1 if colocated else 2,
+                          colocated=colocated)
+    outer = {name: "ff" * 32 for name in KEY_ENV} | {"HOME": "/home/x"}
+    signing = cfgs["admission"].signing_key
+    holds = {"admission": "PDMESH_SIGNING_KEY", "gateway": "PDMESH_SALT_KEY"}
+    for spec in specs:
+        env = launcher.child_env(spec, outer)
+        own = holds.get(spec.role, "PDMESH_VERIFY_KEY")
+        assert [k for k in KEY_ENV if k in env] == [own], spec.name
+        assert env[own] != "ff" * 32 and env["HOME"] == "/home/x"
+        if own == "PDMESH_VERIFY_KEY":
+            assert env[own] == tickets.verify_key_of(signing)
+        elif own == "PDMESH_SIGNING_KEY":
+            assert env[own] == signing

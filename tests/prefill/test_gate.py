@@ -10,8 +10,8 @@ import pytest
 
 from pdmesh.services.prefill.service import PrefillService
 from pdmesh.services.protocol import messages as m
-from pdmesh.services.protocol.tickets import sign
-from pdmesh.services.runtime.config import DEV_MESH_SECRET, resolve
+from pdmesh.services.runtime.config import resolve
+from tests.support.decode_reserve import DATA_KEY, DEV_SIGNER, STREAM_KEY
 
 
 @pytest.fixture
@@ -22,14 +22,16 @@ def prefill() -> PrefillService:
 
 def dispatch(svc: PrefillService, **reservation: object) -> m.PrefillDispatch:
     prompt = [5, 6, 7, 8, 9]
-    ticket = sign(DEV_MESH_SECRET, request_id=f"r-{uuid.uuid4().hex[:6]}", tenant="t",
-                  cache_salt="s", prompt_len=len(prompt), max_tokens=4,
-                  prefill_worker=svc.cfg.worker_id, decode_worker="decode-x", ttl_s=30)
+    ticket = DEV_SIGNER.sign(request_id=f"r-{uuid.uuid4().hex[:6]}", tenant="t",
+                             cache_salt="s", prompt_len=len(prompt), max_tokens=4,
+                             prefill_worker=svc.cfg.worker_id, decode_worker="decode-x",
+                             ttl_s=30)
     fields = {"reservation_id": str(uuid.uuid4()), "epoch": 3, "page_ids": [0],
               "page_tokens": svc.pool.spec.page_tokens, "page_bytes": 64,
               "data_address": "tcp://127.0.0.1:9", **reservation}
     return m.PrefillDispatch(ticket=ticket, prompt_ids=prompt, sampling=m.Sampling(),
-                             reservation=m.Reservation(**fields))  # type: ignore[arg-type]
+                             reservation=m.Reservation(**fields),  # type: ignore[arg-type]
+                             stream_key=STREAM_KEY, data_key=DATA_KEY)
 
 
 @pytest.mark.parametrize("reservation", [{"page_tokens": 0}, {"page_tokens": -16},

@@ -116,7 +116,7 @@ def test_check_takes_the_nats_rows_only() -> None:
                         "PDMESH_KV_TOKENS": "lots"})
     assert (cfg.nats_servers, cfg.nats_user, cfg.nats_password) == (
         ["tls://a:4222", "tls://b:4222"], "tools", "pw")
-    assert not hasattr(cfg, "worker_id") and not hasattr(cfg, "mesh_secret")
+    assert not hasattr(cfg, "worker_id") and not hasattr(cfg, "signing_key")
     assert {s.field for s in settings_of(CHECK)} == {
         "nats_url", "nats_user", "nats_password", "nats_tls_ca"}
 

@@ -14,10 +14,11 @@ client's HTTP cross the switch. The test process talks to the mesh from the cont
 (`Lab.threads`).
 
 NATS runs as the role files run it: `pdmesh secrets --hosts` writes the lab's secrets (role
-users, a dev CA and server certificate, the node config: client TLS, routes with mutual TLS
-and a route password); services connect with `tls://`, their role's user and
-`PDMESH_NATS_TLS_CA`; the test's own clients (meshstats, `pdmesh check`) use the `tools`
-user and trust the dev CA through `SSL_CERT_FILE` (nats-py's default TLS context).
+users, the keys, a dev CA and server certificate, the node config: client TLS, routes with
+mutual TLS and a route password); services connect with `tls://`, their role's user and
+`PDMESH_NATS_TLS_CA`, and each gets only its role's key file (`Lab.role_keys`); the test's
+own clients (meshstats, `pdmesh check`) use the `tools` user and trust the dev CA through
+`SSL_CERT_FILE` (nats-py's default TLS context).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -149,7 +149,6 @@ class Lab:
     nats: dict[str, Proc] = field(default_factory=dict)
     services: dict[str, Proc] = field(default_factory=dict)
     workdir: Path = field(init=False)  # the processes' logs, removed by stop()
-    mesh_secret: str = field(default_factory=lambda: secrets.token_hex(16))
     secrets_dir: Path = field(init=False)  # `pdmesh secrets --hosts` output, in workdir
     _ssl_cert_file: str | None = field(default=None, init=False)
     _ca_env_set: bool = field(default=False, init=False)
@@ -169,6 +168,16 @@ class Lab:
     def nats_creds(self, user: str) -> dict[str, str]:
         env = (self.secrets_dir / f"nats-{user}.env").read_text().splitlines()
         return dict(line.split("=", 1) for line in env if line)
+
+    def role_keys(self, role: str) -> dict[str, str]:
+        """The key the role's compose service mounts (`signing.env`, `verify.env` or
+        `salt.env`), and no other role's."""
+        env: dict[str, str] = {}
+        for name, (_, roles) in natsauth.KEY_FILES.items():
+            if role in roles:
+                lines = (self.secrets_dir / name).read_text().splitlines()
+                env.update(line.split("=", 1) for line in lines if line)
+        return env
 
     def nats_url_as(self, user: str, host: str) -> str:
         creds = self.nats_creds(user)
@@ -240,7 +249,6 @@ class Lab:
             "PDMESH_HTTP_HOST": "0.0.0.0",
             "PDMESH_HTTP_PORT": str(http_port),
             "PDMESH_WORKER_ID": worker_id,
-            "PDMESH_MESH_SECRET": self.mesh_secret,
             "PDMESH_KV_TOKENS": str(KV_TOKENS),
             "PDMESH_MAX_CONTEXT": str(KV_TOKENS),  # no clamp: `pdmesh check` exits 0
             "PDMESH_TRANSFER_DEADLINE_S": str(TRANSFER_DEADLINE_S),
@@ -248,7 +256,8 @@ class Lab:
             "PDMESH_WORKER_TTL_S": str(WORKER_TTL_S),
             "PDMESH_TORCH_THREADS": "1",
         })
-        env.update(self.nats_creds(role))  # the role's env file (compose: env_file)
+        env.update(self.nats_creds(role))  # the role's env files (compose: env_file)
+        env.update(self.role_keys(role))
         if role in ("prefill", "decode"):
             env["PDMESH_DATA_HOST"] = "0.0.0.0"
             env["PDMESH_ADVERTISE_HOST"] = self.addr(host)

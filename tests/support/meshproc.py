@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdmesh.services.ops.launcher import free_port, nats_server_binary
+from pdmesh.services.protocol import tickets
 
 REPO = Path(__file__).resolve().parents[2]
 DEV_KEYS = {"alice": "sk-dev-alice", "bob": "sk-dev-bob", "carol": "sk-dev-carol"}
@@ -89,6 +91,13 @@ class Mesh:
     model: str = "tiny"
     max_context: int = 0
     log: list[str] = field(default_factory=list)
+    signing_key: str = ""  # admission's, given to `pdmesh up` (run_mesh makes fresh ones)
+    salt_key: str = ""  # the gateway's cache-salt key
+
+    @property
+    def verify_key(self) -> str:
+        """The workers' verify key (the public key of `signing_key`)."""
+        return tickets.verify_key_of(self.signing_key)
 
     @property
     def base_url(self) -> str:
@@ -124,7 +133,8 @@ class Mesh:
 
 
 def mesh_env(**overrides: str) -> dict[str, str]:
-    # Test meshes run with the dev mesh secret and dev tenants, as `make up` does.
+    # Test meshes run with the dev tenants, as `make up` does; `run_mesh` gives each its own
+    # fresh keys (the launcher hands each role only its own).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDMESH_LOG_LEVEL": "WARNING",
            "PDMESH_ALLOW_DEV_CREDENTIALS": "1"}
     env.update(overrides)
@@ -138,9 +148,13 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
     port = free_port()
     cmd = [sys.executable, "-m", "pdmesh.services.ops.cli", "up", "--model", "tiny",
            "--gateway-port", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env or mesh_env(), stdout=subprocess.PIPE,
+    env = dict(env or mesh_env())
+    env.setdefault("PDMESH_SIGNING_KEY", tickets.generate_signing_key())
+    env.setdefault("PDMESH_SALT_KEY", secrets.token_hex(32))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    mesh = Mesh(proc=proc, gateway_port=port)
+    mesh = Mesh(proc=proc, gateway_port=port, signing_key=env["PDMESH_SIGNING_KEY"],
+                salt_key=env["PDMESH_SALT_KEY"])
     ready = threading.Event()
 
     def pump() -> None:

@@ -12,6 +12,7 @@ from pdmesh.transports.framing import (
     encode_header,
     reservation_bytes,
 )
+from tests.support.fuzz import EXAMPLES
 
 
 def test_roundtrip():
@@ -25,7 +26,7 @@ def test_roundtrip():
     assert (h.token_count, h.aux, h.payload_len, h.payload_checksum) == (16, -1, 4096, 123)
 
 
-@settings(max_examples=10_000, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(st.binary(min_size=0, max_size=2 * HEADER_SIZE))
 def test_random_bytes_only_raise_frame_error(data):
     with pytest.raises(FrameError):
@@ -35,13 +36,12 @@ def test_random_bytes_only_raise_frame_error(data):
 _VALID = encode_header(Kind.DATA, bytes(range(16)), 1, payload_len=10, payload_checksum=1)
 
 
-@settings(max_examples=5_000, deadline=None)
-@given(st.integers(0, HEADER_SIZE * 8 - 1))
-def test_every_single_bit_flip_is_detected(bit):
-    raw = bytearray(_VALID)
-    raw[bit // 8] ^= 1 << (bit % 8)
-    with pytest.raises(FrameError):
-        decode_header(bytes(raw))
+def test_every_single_bit_flip_is_detected():
+    for bit in range(HEADER_SIZE * 8):  # all of them
+        raw = bytearray(_VALID)
+        raw[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(FrameError):
+            decode_header(bytes(raw))
 
 
 def test_non_buffer_and_bad_ids():
