@@ -79,7 +79,8 @@ class Gateway:
         self.metrics = GatewayMetrics(self.rt.registry, self.model_name)
         self.mesh = MeshClient(self.rt, submit_timeout_s=cfg.queue_timeout_s
                                + cfg.reserve_timeout_s + 3.0,
-                               on_phase_timing=self.metrics.observe_phases)
+                               on_phase_timing=self.metrics.observe_phases,
+                               eos_token_ids=self.tokenizer.eos_token_ids)
         self.version = _version()
 
     # -- wiring -------------------------------------------------------------------------

@@ -14,7 +14,9 @@ Only the request's own workers can write its stream: each submit carries a fresh
 it chose, and an event without its MAC is dropped and counted
 (`pdmesh:refused_messages_total{service="gateway",kind="stream_mac"}`). The gateway holds
 even those workers to the request: no more than `max_tokens` tokens reach the client (the
-stream ends with `length` there, `kind="over_max_tokens"`), and decode's first token must be
+stream ends with `length` there, `kind="over_max_tokens"`), nothing after a stop token (an
+end-of-sequence token unless `ignore_eos`, or one of `stop_token_ids`, once `min_tokens` are
+out: the stream ends with `stop` there, `kind="past_stop"`), and decode's first token must be
 the one prefill sampled and reported logprobs for (else the request fails,
 `kind="first_token_mismatch"`).
 """
@@ -25,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,14 +117,18 @@ class Submission:
     progress: tuple[int, int] = (0, 0)  # prefill's last (done_tokens, total_tokens)
     timing_seen: bool = False  # prefill's PhaseTiming arrived (and was observed)
     max_tokens: int = 0  # the most tokens the client gets (0: no limit)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the generation ...
+    min_tokens: int = 0  # ... once this many are out
     first_token_id: int | None = None  # what prefill sampled (FirstTokenLogprobs)
     tokens_out: int = 0  # tokens yielded so far
 
 
 class MeshClient:
     def __init__(self, rt: ServiceRuntime, submit_timeout_s: float,
-                 on_phase_timing: Callable[[m.PhaseTiming], None] | None = None) -> None:
+                 on_phase_timing: Callable[[m.PhaseTiming], None] | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         self.rt = rt
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.submit_timeout_s = submit_timeout_s
         self.on_phase_timing = on_phase_timing  # called once per request that reports one
         self._decoder: m.Decoder[m.StreamEvent] = m.Decoder(m.StreamEvent)
@@ -150,8 +156,11 @@ class MeshClient:
         if size > limit:
             raise MeshTooLarge(req.request_id, size, limit)
         queue: asyncio.Queue[m.LocalStreamEvent] = asyncio.Queue()
+        stop_ids = frozenset(req.sampling.stop_token_ids) | (
+            frozenset() if req.sampling.ignore_eos else self.eos_token_ids)
         sub_state = Submission(request_id=req.request_id, events=queue,
-                               max_tokens=req.max_tokens)
+                               max_tokens=req.max_tokens, stop_ids=stop_ids,
+                               min_tokens=req.sampling.min_tokens)
         key = streamauth.parse_key(req.stream_key)
 
         async def on_msg(msg: Msg) -> None:
@@ -280,6 +289,16 @@ class MeshClient:
                            f"{ev.token_ids[0]}, prefill's {sub.first_token_id}")
             raise MeshFailed(m.Outcome(code=m.Code.INTERNAL, detail=(
                 "decode's first token is not the one prefill sampled")))
+        for i, token in enumerate(ev.token_ids):
+            stops = token in sub.stop_ids and sub.tokens_out + i >= sub.min_tokens
+            if stops:  # guard: gateway-stop
+                if i + 1 < len(ev.token_ids) or ev.finish is None:
+                    self.rt.refuse("past_stop", f"{sub.request_id}: tokens after a stop token")
+                    sub.tokens_out = sub.max_tokens + 1  # not a clean finish: abort on exit
+                    return msgspec.structs.replace(ev, token_ids=ev.token_ids[:i + 1],
+                                                   logprobs=ev.logprobs[:i + 1],
+                                                   finish=m.FINISHED_STOP)
+                break
         room = sub.max_tokens - sub.tokens_out
         n = len(ev.token_ids)
         if sub.max_tokens and (n > room or (  # guard: gateway-max-tokens

@@ -1,6 +1,6 @@
 """Show that each isolation guard is load-bearing: remove it, run its test, expect a failure.
 
-    .venv/bin/python tests/guards/check_guards.py            # all 70 (~20 min on 2 cores)
+    .venv/bin/python tests/guards/check_guards.py            # all 71 (~20 min on 2 cores)
     .venv/bin/python tests/guards/check_guards.py fence epoch  # some of them
 
 Guards are found by tag, not by their text. A guarded statement carries a comment at the end
@@ -716,6 +716,10 @@ MUTATIONS = [
              "whatever decode sends",
              (Condition("gateway-max-tokens", "False"),),
              (ISO + "test_containment.py::test_the_gateway_holds_decode_to_max_tokens",)),
+    Mutation("gateway-stop", "the gateway ends the stream at a stop token, whatever decode "
+             "sends after it",
+             (Condition("gateway-stop", "False"),),
+             (ISO + "test_containment.py::test_the_gateway_ends_the_stream_at_a_stop_token",)),
     Mutation("first-token-agrees", "decode's first token must be the one prefill sampled",
              (Condition("first-token-agrees", "False"),),
              (ISO + "test_containment.py::test_decode_must_start_with_the_token_prefill_sampled",)),

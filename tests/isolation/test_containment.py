@@ -7,7 +7,8 @@ that answers with the request's MAC, an honest prefill `pre-1`). `pre-2` is a se
 worker: valid credentials, permitted to publish on the token stream and decode's release
 subject, but it serves none of these requests. It may not read any reply, and nothing it
 writes (an answer, a heartbeat naming another worker) is believed. The gateway also holds the
-request's own decode to `max_tokens` and to prefill's first token.
+request's own decode to `max_tokens`, to the request's stop tokens and to prefill's first
+token.
 
 The real-mesh version (`pdmesh up` processes, a real second prefill) is
 tests/isolation/test_containment_mesh.py.
@@ -35,8 +36,8 @@ from pdmesh.services.runtime.config import resolve
 from tests.support.meshproc import NatsServer
 
 pytestmark = pytest.mark.slow
-TOKENS = list(range(300, 312))  # what the honest decode answers with
-INJECTED = list(range(600, 628))  # what pre-2 tries to put in alice's answer
+TOKENS = list(range(100, 112))  # what the honest decode answers with (tiny: 258 ids)
+INJECTED = list(range(150, 178))  # what pre-2 tries to put in alice's answer
 
 
 @dataclass
@@ -275,3 +276,16 @@ async def test_decode_must_start_with_the_token_prefill_sampled(tmp_path: Path) 
                                       "logprobs": 1})
         assert status >= 500, body
         assert lb.refused(lb.gateway, "first_token_mismatch") == 1
+
+
+async def test_the_gateway_ends_the_stream_at_a_stop_token(tmp_path: Path) -> None:
+    """The request's own decode goes on past one of the request's `stop_token_ids`: the client
+    gets the tokens up to it and `stop`, and the overstep is counted."""
+    async with lab(tmp_path) as lb:
+        stop_at = 4
+        status, body = await lb.post({"prompt": "What is 2+2?", "max_tokens": len(TOKENS),
+                                      "stop_token_ids": [TOKENS[stop_at]]})
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == stop_at + 1
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert lb.refused(lb.gateway, "past_stop") == 1
