@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Mapping
 
@@ -119,8 +118,9 @@ class AdmissionService:
         life = Lifecycle(req.request_id)
         try:
             streamauth.parse_key(req.stream_key)
-        except ValueError as exc:  # the gateway makes one per request: a submit without
-            reply: m.SubmitReply = self._reject(req, Rejected(  # it has no stream to trust
+        except ValueError as exc:
+            # The gateway makes one per request: a submit without it has no stream to trust.
+            reply: m.SubmitReply = self._reject(req, Rejected(
                 m.Code.INVALID, f"submit without a valid stream key: {exc}"))
         else:
             reply = await self._decide(req, headers or {})
@@ -198,7 +198,7 @@ class AdmissionService:
             decode_worker=decode.worker_id, ttl_s=self.cfg.ticket_ttl_s)
         self.tickets_issued.inc()
         # This reservation's data-plane key: made here, known only to the two workers.
-        data_key = secrets.token_hex(32)
+        data_key = streamauth.new_key()
         try:
             res = await self.rt.request(m.reserve_subject(decode.worker_id),
                                         m.ReserveRequest(ticket=ticket, sampling=req.sampling,

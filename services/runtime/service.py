@@ -85,7 +85,8 @@ class ServiceRuntime:
         self.refused_messages = Counter(
             "pdmesh:refused_messages_total", "Well-formed control messages dropped because "
             "their sender may not send them (kind: heartbeat_subject, stream_mac, peer_mac, "
-            "stale_progress)", ["service", "kind"], registry=self.registry)
+            "stale_progress, over_max_tokens, past_stop, first_token_mismatch)",
+            ["service", "kind"], registry=self.registry)
         self.handler_errors = Counter(
             "pdmesh:handler_errors_total", "Handlers that raised unexpectedly",
             ["service", "subject"], registry=self.registry)
