@@ -1,9 +1,10 @@
 """The gateway: OpenAI-compatible HTTP + SSE in front of the mesh.
 
 Per request: authenticate (API key -> tenant + server-side cache salt) -> validate the body
--> tokenize -> submit to admission (REJECTED answers 400/429/503 at once) -> stream tokens
-from decode -> FINISHED. A client that goes away aborts the request across the mesh.
-Every error, including 404/405/413 and unexpected ones, is answered in the OpenAI shape.
+-> tokenize (off the event loop: text.TokenizerPool) -> submit to admission (REJECTED
+answers 400/429/503 at once) -> stream tokens from decode -> FINISHED. A client that goes
+away aborts the request across the mesh. Every error, including 404/405/413 and unexpected
+ones, is answered in the OpenAI shape.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pdmesh.gateway.mesh import (
     MeshTooLarge,
     MeshUnavailable,
     Submission,
+    WorkerLiveness,
 )
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.schema import (
@@ -38,6 +40,7 @@ from pdmesh.gateway.schema import (
     parse_tokenize,
 )
 from pdmesh.gateway.tenants import Tenant, TenantDirectory
+from pdmesh.gateway.text import TENANT_QUEUED_BODIES, TokenizerPool
 from pdmesh.services import faults
 from pdmesh.services.admission.policy import context_rejection
 from pdmesh.services.admission.registry import CapacityRegistry
@@ -68,10 +71,14 @@ class Gateway:
         self.tenants = TenantDirectory.load(cfg.tenants_file, cfg.salt_key)
         # The gateway tokenizes and detokenizes; it needs the tokenizer, not the weights.
         self.tokenizer, derived_name = load_tokenizer(cfg.model)
+        # Off the event loop, in a bounded pool shared fairly between tenants (text.py).
+        self.tokenizers = TokenizerPool(self.tokenizer,
+                                        budget=TENANT_QUEUED_BODIES * cfg.max_body_bytes)
         # Clients may send any served name (or --model itself); replies carry the first.
         self.served_names = cfg.served_model_names or [derived_name]
         self.model_name = self.served_names[0]
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
+        self.liveness = WorkerLiveness(self.rt, self.registry, cfg.worker_ttl_s)
         # A test mesh copies the fault header onto the submit (services/faults.py).
         self.submit_headers = faults.gateway_headers(cfg)
         self.bypass_checks = faults.gateway_bypass(cfg)
@@ -95,10 +102,15 @@ class Gateway:
 
     async def start(self) -> None:
         self.rt.app._client_max_size = self.cfg.max_body_bytes
+        self.rt.app.on_cleanup.append(self._close_tokenizers)  # after the last request
         await self.rt.start_http(self.routes)
         await self.rt.connect()
+        self.rt.spawn(self.liveness.watch(), "liveness-watch")
         await self.rt.subscribe_heartbeats(m.HEARTBEAT_WILDCARD, self._on_heartbeat)
         self.rt.mark_ready()
+
+    async def _close_tokenizers(self, _app: web.Application) -> None:
+        self.tokenizers.close()
 
     async def _on_heartbeat(self, beat: m.Heartbeat, _msg: Any) -> None:
         if beat.role in (m.Role.PREFILL, m.Role.DECODE):
@@ -158,35 +170,38 @@ class Gateway:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: `prompt` (as /v1/completions) or `messages` (as chat, with the
         chat template) -> {count, max_model_len, tokens}."""
-        self._auth(request)
+        tenant = self._auth(request)
         body = parse_tokenize(await request.read())
         self._check_model(body)
         if body.messages is not None:
-            ids = self._chat_ids(body.messages)
+            ids = await self._chat_ids(tenant, body.messages)
         elif body.prompt is not None:
             if not body.prompt:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
-            ids = self.tokenizer.encode(body.prompt)
+            ids = await self.tokenizers.encode(tenant.tenant_id, body.prompt)
         else:
             raise ApiError(400, "give 'prompt' or 'messages'", param="prompt")
         return json_response({"count": len(ids), "max_model_len": self.served_context(),
                               "tokens": ids, "token_strs": None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        self._auth(request)
+        tenant = self._auth(request)
         body = parse_detokenize(await request.read())
         self._check_model(body)
         self._check_ids(body.tokens, "tokens")
-        return json_response({"prompt": self.tokenizer.decode(body.tokens)})
+        return json_response({"prompt": await self.tokenizers.decode(tenant.tenant_id,
+                                                                     body.tokens)})
 
     @contextlib.contextmanager
     def _validating(self, tenant: Tenant) -> Iterator[None]:
-        """Count a request the gateway itself refuses (after auth) as rejected, `invalid`."""
+        """Count a request the gateway itself refuses (after auth) as rejected: `invalid`,
+        or `saturated` when its tenant has too much in the tokenizer (429)."""
         try:
             yield
         except ApiError as exc:
+            code = m.Code.SATURATED if exc.status == 429 else m.Code.INVALID
             self.metrics.request_done(tenant.tenant_id, m.Outcome(
-                code=m.Code.INVALID, detail=exc.message), 0.0)
+                code=code, detail=exc.message), 0.0)
             raise
 
     def _check_model(self, body: Any) -> None:
@@ -205,7 +220,7 @@ class Gateway:
             body = parse_completion(await request.read())
             self._check_model(body)
             self._check_limits(body)
-            ids = self._prompt_ids(body)
+            ids = await self._prompt_ids(tenant, body)
         return await self._generate(request, tenant, body, ids, chat=False)
 
     def _check_limits(self, body: CompletionBody | ChatBody) -> None:
@@ -215,14 +230,14 @@ class Gateway:
         if body.stop_token_ids:
             self._check_ids(body.stop_token_ids, "stop_token_ids")
 
-    def _prompt_ids(self, body: CompletionBody) -> list[int]:
+    async def _prompt_ids(self, tenant: Tenant, body: CompletionBody) -> list[int]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
-            return self.tokenizer.encode(prompt)
+            return await self.tokenizers.encode(tenant.tenant_id, prompt)
         ids = list(prompt)
         if not ids:
             raise ApiError(400, "prompt must not be empty", param="prompt")
@@ -235,10 +250,10 @@ class Gateway:
             body = parse_chat(await request.read())
             self._check_model(body)
             self._check_limits(body)
-            ids = self._chat_ids(body.messages)
+            ids = await self._chat_ids(tenant, body.messages)
         return await self._generate(request, tenant, body, ids, chat=True)
 
-    def _chat_ids(self, chat_messages: list[Any]) -> list[int]:
+    async def _chat_ids(self, tenant: Tenant, chat_messages: list[Any]) -> list[int]:
         messages = []
         for msg in chat_messages:
             content = msg.content if isinstance(msg.content, str) else "".join(
@@ -246,11 +261,10 @@ class Gateway:
             messages.append({"role": msg.role, "content": content})
         # tiny: plain "<|role|>" lines; checkpoints: their own template (gateway/README)
         try:
-            prompt = self.tokenizer.apply_chat_template(messages)
+            return await self.tokenizers.chat(tenant.tenant_id, messages)
         except ChatTemplateError as exc:
             raise ApiError(400, f"the model's chat template refused the messages: {exc}",
                            param="messages") from None
-        return self.tokenizer.encode(prompt)
 
     def max_tokens_for(self, body: CompletionBody | ChatBody, prompt_len: int) -> int:
         """`max_tokens`, or as vLLM without it: the rest of the served context, capped by

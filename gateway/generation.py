@@ -21,12 +21,11 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
-from pdmesh.gateway.mesh import ClientGone, MeshClient, MeshFailed, Submission
+from pdmesh.gateway.mesh import ClientGone, MeshClient, MeshFailed, Submission, WorkerLiveness
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.schema import ApiError, ChatBody, CompletionBody, stop_list
 from pdmesh.gateway.tenants import Tenant
 from pdmesh.gateway.text import TextStream
-from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.engine.tokenizer import Tokenizer
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.runtime.config import GatewayConfig
@@ -55,7 +54,7 @@ class Serving(Protocol):
     model_name: str
     mesh: MeshClient
     metrics: GatewayMetrics
-    registry: CapacityRegistry
+    liveness: WorkerLiveness
 
 
 @dataclass(eq=False)
@@ -101,15 +100,12 @@ class Generation:
         transport = self.request.transport
         return transport is not None and not transport.is_closing()
 
-    def _dead_worker(self, sub: Submission) -> str:
+    async def _dead_worker(self, sub: Submission) -> str:
         """Name of a worker serving this request that stopped heartbeating, or ""."""
         # Prefill matters only until its KV has arrived (the first token comes with it).
         workers = [sub.decode_worker] if sub.got_first_token else [sub.decode_worker,
                                                                    sub.prefill_worker]
-        for worker in workers:
-            if worker and self.gw.registry.get(worker) is None:  # guard: dead-worker
-                return worker
-        return ""
+        return await self.gw.liveness.dead(workers)
 
     async def run(self, subs: list[Submission]) -> m.Outcome:
         gw = self.gw

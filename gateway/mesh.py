@@ -5,7 +5,9 @@ is removed on every path (the per-request registry never outlives the request; a
 request's subscription stays up to PHASE_LINGER_S in an owned task, for prefill's
 `PhaseTiming`, which may trail the last token). Leaving the `submit()` context early
 (client gone, stop string, no progress) publishes an `Abort`, so every worker frees what it
-holds for the request (a tested path, not a timeout). Liveness is progress: see `tokens()`.
+holds for the request (a tested path, not a timeout). Liveness is progress: see `tokens()`;
+a worker that stops heartbeating fails its requests, judged by `WorkerLiveness` only while
+the gateway could hear it.
 A submit that would not fit the NATS server's max payload is refused before anything is
 sent (`MeshTooLarge`).
 
@@ -26,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +38,7 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
+from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.service import ServiceRuntime
@@ -43,6 +47,9 @@ log = logging.getLogger("pdmesh.gateway")
 POLL_S = 0.1  # how often a waiting request checks that its client is still there
 SUBMIT_OVERHEAD_BYTES = 1024  # subject, reply inbox and headers on top of the message
 PHASE_LINGER_S = 2.0  # a finished request's stream waits this long for prefill's timing
+LOOP_LAG_S = 0.5  # a loop tick this late: the gateway was not processing its messages
+FLUSH_TIMEOUT_S = 1.0  # the round trip that reads what NATS already sent, before a verdict
+DRAIN_YIELDS = 3  # loop turns given to queued heartbeat callbacks after that round trip
 
 
 class MeshRejected(Exception):
@@ -100,6 +107,60 @@ class MeshTooLarge(Exception):
                          f"NATS max_payload of {limit} bytes; send a shorter prompt or fewer "
                          f"token ids, or raise max_payload on the mesh's NATS server")
         self.request_id, self.size, self.limit = request_id, size, limit
+
+
+class WorkerLiveness:
+    """Which of a request's workers stopped heartbeating, judged only while the gateway
+    could hear them.
+
+    A heartbeat the gateway has not processed yet (its loop was busy, or the callback still
+    waits its turn) is not a missing one. Before it blames a worker whose last heartbeat is
+    older than the TTL, the check makes a NATS round trip (whatever the server sent before
+    its PONG has been read) and gives the queued callbacks a few loop turns; then it blames
+    the worker only if, for the whole last TTL, its loop kept up (no tick of `watch()` more
+    than LOOP_LAG_S late, and none overdue now). A worker that died is caught a TTL after
+    its last heartbeat; a gateway that cannot make the round trip, or whose own loop stalled,
+    blames no one (the request ends by its progress clocks in `tokens()` if the worker is
+    really gone).
+    """
+
+    def __init__(self, rt: ServiceRuntime, registry: CapacityRegistry, ttl_s: float) -> None:
+        self.rt, self.registry, self.ttl_s = rt, registry, ttl_s
+        self.lagged_at = -math.inf  # ... of the last tick of watch() found late
+        self.ticked_at = time.monotonic()
+
+    async def watch(self) -> None:
+        """Tick every POLL_S; remember when a tick came late (the loop was stalled)."""
+        self.ticked_at = time.monotonic()
+        while True:
+            await asyncio.sleep(POLL_S)
+            now = time.monotonic()
+            if now - self.ticked_at > POLL_S + LOOP_LAG_S:
+                self.lagged_at = now
+            self.ticked_at = now
+
+    def listening(self, now: float) -> bool:
+        """The loop kept up throughout the last TTL (so a missing heartbeat is missing)."""
+        return (now - self.lagged_at > self.ttl_s
+                and now - self.ticked_at <= POLL_S + LOOP_LAG_S)
+
+    async def dead(self, workers: Iterable[str]) -> str:
+        """The first of `workers` that stopped heartbeating, or "" (none, or no verdict)."""
+        stale = [w for w in workers if w and self.registry.get(w) is None]
+        if not stale:
+            return ""
+        try:
+            await self.rt.nc.flush(timeout=FLUSH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no round trip: the gateway cannot hear anyone
+            return ""
+        for _ in range(DRAIN_YIELDS):
+            await asyncio.sleep(0)
+        if not self.listening(time.monotonic()):  # guard: liveness-listening
+            return ""
+        for worker in stale:
+            if self.registry.get(worker) is None:  # guard: dead-worker
+                return worker
+        return ""
 
 
 @dataclass
@@ -206,8 +267,8 @@ class MeshClient:
                             code=m.Code.ABORTED, detail="gateway ended the request")))
 
     async def tokens(self, sub: Submission, stall_s: float, idle_s: float,
-                     alive: Callable[[], bool],
-                     dead_worker: Callable[[Submission], str]) -> AsyncIterator[m.TokenEvent]:
+                     alive: Callable[[], bool], dead_worker: Callable[[Submission], Awaitable[str]]
+                     ) -> AsyncIterator[m.TokenEvent]:
         """Yield token events in order until one has a finish reason.
 
         Liveness is progress, not a fixed end-to-end deadline (a long prompt with a long
@@ -215,7 +276,8 @@ class MeshClient:
         the mesh sent nothing for it (prefill's `PrefillProgress` comes at least every
         heartbeat) for `stall_s`; after it, when no event came for `idle_s`.
         Raises RequestStalled (either), MeshFailed (a worker failed, or one serving this
-        request stopped heartbeating: `dead_worker`) or ClientGone (`alive` turned false).
+        request stopped heartbeating: `dead_worker`, as `WorkerLiveness.dead` judges it) or
+        ClientGone (`alive` turned false).
         Both are checked every `POLL_S` whether or not tokens are flowing: a client that
         leaves a non-streaming request (nothing is written to it until the end) or a worker
         killed mid-stream is noticed at once, not after max_tokens or a deadline.
@@ -235,9 +297,10 @@ class MeshClient:
                 next_check = now + POLL_S
                 if not alive():
                     raise ClientGone(sub.request_id)
-                # Only with nothing queued: a worker may finish and then go away.
-                gone = dead_worker(sub) if sub.events.empty() else ""
-                if gone:
+                # Only with nothing queued: a worker may finish and then go away (also not
+                # when the check's own drain brought in its events).
+                gone = await dead_worker(sub) if sub.events.empty() else ""
+                if gone and sub.events.empty():
                     raise MeshFailed(m.Outcome(code=m.Code.PEER_RELEASED,
                                                detail=f"worker {gone} stopped heartbeating"))
             try:

@@ -1,6 +1,6 @@
 """Show that each isolation guard is load-bearing: remove it, run its test, expect a failure.
 
-    .venv/bin/python tests/guards/check_guards.py            # all 71 (~20 min on 2 cores)
+    .venv/bin/python tests/guards/check_guards.py            # all 75 (~21 min on 2 cores)
     .venv/bin/python tests/guards/check_guards.py fence epoch  # some of them
 
 Guards are found by tag, not by their text. A guarded statement carries a comment at the end
@@ -556,7 +556,9 @@ MUTATIONS = [
               "test_worker_reports_not_ready_while_its_data_plane_cannot_accept",)),
     Mutation("dead-worker", "gateway ends a stream whose decode worker died",
              (Condition("dead-worker", "False"),),
-             (ISO + "test_worker_loss.py::test_decode_killed_mid_stream",)),
+             (ISO + "test_worker_loss.py::test_decode_killed_mid_stream",
+              "tests/gateway/test_loop_liveness.py::"
+              "test_a_worker_that_stops_heartbeating_still_fails_its_request")),
     Mutation("abort-on-disconnect", "a client that leaves aborts its request across the mesh",
              (Condition("abort-on-disconnect", "False"),),
              ("tests/gateway/test_disconnect.py",)),
@@ -728,6 +730,25 @@ MUTATIONS = [
              (Condition("progress-advances", "True"),),
              ("tests/decode/test_progress_liveness.py::"
               "test_progress_that_does_not_advance_frees_the_reservation",)),
+    # The gateway's event loop: no request body stalls it, a stall blames no worker.
+    Mutation("tokenizer-off-loop", "tokenization runs in the tokenizer threads, never on the "
+             "gateway's event loop",
+             (Replace("tokenizer-off-loop",
+                      "future = concurrent.futures.Future()\nfuture.set_result(fn(*args))"),),
+             ("tests/gateway/test_loop_tokenize.py::"
+              "test_long_tokenizations_do_not_stall_another_tenants_stream[slow-bytes]",)),
+    Mutation("tokenizer-budget", "a tenant's text queued in the tokenizer is bounded (429)",
+             (Condition("tokenizer-budget", "False"),),
+             ("tests/gateway/test_loop_tokenize.py::"
+              "test_a_tenant_over_its_share_of_the_tokenizer_gets_429_and_others_keep_theirs",)),
+    Mutation("tokenizer-tenant-threads", "one tenant occupies at most two tokenizer threads",
+             (Delete("tokenizer-tenant-threads"),),
+             ("tests/gateway/test_loop_tokenize.py::"
+              "test_a_tenant_over_its_share_of_the_tokenizer_gets_429_and_others_keep_theirs",)),
+    Mutation("liveness-listening", "a gateway whose own loop stalled blames no worker",
+             (Condition("liveness-listening", "False"),),
+             ("tests/gateway/test_loop_liveness.py::"
+              "test_a_stalled_gateway_loop_does_not_fail_a_live_stream",)),
     Mutation("nixl-staging-per-reservation", "nixl: links proving one reservation share the "
              "one staging region lent on that proof (one key holder cannot retire them all)",
              (Condition("nixl-staging-per-reservation", "False"),),
