@@ -107,6 +107,29 @@ async def test_a_stalled_gateway_loop_does_not_fail_a_live_stream(scripted) -> N
     assert mesh.aborts == []
 
 
+async def test_a_pause_of_the_whole_machine_blames_no_worker(scripted) -> None:
+    """Gateway and workers freeze together (a VM paused, the host swapping): when the
+    gateway's loop resumes, no heartbeat is due yet (the workers' next comes 0.3 s later), so
+    a NATS round trip brings none. The gateway knows its own loop just stalled and waits
+    for them instead of failing the stream."""
+    gw, mesh = await scripted(_tokens)
+    stream = asyncio.ensure_future(_stream(gw))
+    await asyncio.sleep(0.6)  # tokens flowing
+    mesh.silent = frozenset({PREFILL, DECODE})  # frozen with the gateway ...
+    time.sleep(2 * TTL_S)  # noqa: ASYNC251 - the loop stalls: blocking it is the test
+
+    async def resume() -> None:
+        await asyncio.sleep(0.3)  # ... and their next heartbeat comes a little after
+        mesh.silent = frozenset()
+
+    waking = asyncio.ensure_future(resume())
+    status, events = await stream
+    await waking
+    assert status == 200
+    assert not any(b'"error"' in e for e in events), events[-1]
+    assert events[-1].strip() == b"data: [DONE]"
+
+
 async def test_a_worker_that_stops_heartbeating_still_fails_its_request(scripted) -> None:
     """decode goes silent (no heartbeat, no token) mid-stream while prefill keeps
     heartbeating: the gateway, which heard heartbeats all along, ends the stream with

@@ -748,7 +748,7 @@ MUTATIONS = [
     Mutation("liveness-listening", "a gateway whose own loop stalled blames no worker",
              (Condition("liveness-listening", "False"),),
              ("tests/gateway/test_loop_liveness.py::"
-              "test_a_stalled_gateway_loop_does_not_fail_a_live_stream",)),
+              "test_a_pause_of_the_whole_machine_blames_no_worker",)),
     Mutation("nixl-staging-per-reservation", "nixl: links proving one reservation share the "
              "one staging region lent on that proof (one key holder cannot retire them all)",
              (Condition("nixl-staging-per-reservation", "False"),),
