@@ -109,18 +109,30 @@ async def test_a_stalled_gateway_loop_does_not_fail_a_live_stream(scripted) -> N
 
 async def test_a_pause_of_the_whole_machine_blames_no_worker(scripted) -> None:
     """Gateway and workers freeze together (a VM paused, the host swapping): when the
-    gateway's loop resumes, no heartbeat is due yet (the workers' next comes 0.3 s later), so
-    a NATS round trip brings none. The gateway knows its own loop just stalled and waits
-    for them instead of failing the stream."""
-    gw, mesh = await scripted(_tokens)
+    gateway's loop resumes, no heartbeat or token is due yet (the workers' next come 0.3 s
+    later), so a NATS round trip brings none. The gateway knows its own loop just stalled and
+    waits for them instead of failing the stream."""
+
+    thawed = asyncio.Event()
+
+    async def frozen_with_the_gateway(mesh: QuietableMesh, rid: str) -> None:
+        for seq in range(TOKENS):
+            if DECODE in mesh.silent:  # frozen: no token either
+                await thawed.wait()
+            await mesh.token(rid, seq, finish=seq == TOKENS - 1)
+            await asyncio.sleep(0.05)
+
+    gw, mesh = await scripted(frozen_with_the_gateway)
     stream = asyncio.ensure_future(_stream(gw))
     await asyncio.sleep(0.6)  # tokens flowing
     mesh.silent = frozenset({PREFILL, DECODE})  # frozen with the gateway ...
+    await asyncio.sleep(0.15)  # (a heartbeat already on its way is taken before the freeze)
     time.sleep(2 * TTL_S)  # noqa: ASYNC251 - the loop stalls: blocking it is the test
 
     async def resume() -> None:
         await asyncio.sleep(0.3)  # ... and their next heartbeat comes a little after
         mesh.silent = frozenset()
+        thawed.set()
 
     waking = asyncio.ensure_future(resume())
     status, events = await stream
