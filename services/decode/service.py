@@ -269,7 +269,8 @@ class DecodeService(WorkerBase):
             stream_key = streamauth.parse_key(req.stream_key)
             data_key = streamauth.parse_key(req.data_key)
         except ValueError as exc:
-            return self._refuse(t, "refused", m.Code.REFUSED, f"bad request keys: {exc}")
+            # Admission's to make: not the static capacity gate (REFUSED is final there).
+            return self._refuse(t, "bad_keys", m.Code.TICKET_INVALID, f"bad request keys: {exc}")
         try:
             sampler = Sampler.for_request(req.sampling, t.max_tokens,
                                           self.model.tokenizer.eos_token_ids)
