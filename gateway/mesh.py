@@ -182,6 +182,7 @@ class Submission:
     min_tokens: int = 0  # ... once this many are out
     first_token_id: int | None = None  # what prefill sampled (FirstTokenLogprobs)
     tokens_out: int = 0  # tokens yielded so far
+    overstepped: bool = False  # the gateway cut decode's stream (not a clean finish)
 
 
 class MeshClient:
@@ -334,7 +335,7 @@ class MeshClient:
             while expected_seq in pending:
                 cur = self._held_to_the_request(sub, pending.pop(expected_seq), expected_seq)
                 expected_seq += 1
-                if cur.finish is not None and sub.tokens_out <= sub.max_tokens:
+                if cur.finish is not None and not sub.overstepped:
                     sub.finished = True
                 sub.tokens_out += len(cur.token_ids)
                 yield cur
@@ -357,7 +358,7 @@ class MeshClient:
             if stops:  # guard: gateway-stop
                 if i + 1 < len(ev.token_ids) or ev.finish is None:
                     self.rt.refuse("past_stop", f"{sub.request_id}: tokens after a stop token")
-                    sub.tokens_out = sub.max_tokens + 1  # not a clean finish: abort on exit
+                    sub.overstepped = True  # not a clean finish: abort on exit
                     return msgspec.structs.replace(ev, token_ids=ev.token_ids[:i + 1],
                                                    logprobs=ev.logprobs[:i + 1],
                                                    finish=m.FINISHED_STOP)
@@ -369,7 +370,7 @@ class MeshClient:
             if n > room:
                 self.rt.refuse("over_max_tokens", f"{sub.request_id}: more than "
                                f"{sub.max_tokens} tokens")
-            sub.tokens_out = sub.max_tokens + 1  # not decode's clean finish: abort on exit
+            sub.overstepped = True  # not decode's clean finish: abort on exit
             return msgspec.structs.replace(ev, token_ids=ev.token_ids[:room],
                                            logprobs=ev.logprobs[:room],
                                            finish=m.FINISHED_LENGTH)

@@ -2,7 +2,7 @@
 stops heartbeating still fails its request.
 
 A real gateway (in this process) on a real nats-server, in front of the scripted mesh of
-tests/gateway/test_progress.py on the same loop. The test blocks that loop (as a long
+tests/support/scripted_mesh.py on the same loop. The test blocks that loop (as a long
 tokenization or a GC pause would) for twice --worker-ttl-s: when it resumes, the gateway
 has processed no heartbeat for longer than the TTL, from anyone, and must not take that
 for a dead worker. Workers that really stop heartbeating, one or all, still fail the
@@ -19,63 +19,25 @@ import aiohttp
 import pytest
 
 from pdmesh.gateway.app import Gateway
-from pdmesh.services.protocol import messages as m
-from pdmesh.services.runtime.config import resolve
-from tests.gateway.test_progress import DECODE, PREFILL, ScriptedMesh
 from tests.support.meshproc import NatsServer
+from tests.support.scripted_mesh import DECODE, PREFILL, ScriptedMesh, gateways
 
 TTL_S = 0.5  # --worker-ttl-s of the gateway under test
 TOKENS = 60  # one every 50 ms: a 3 s stream
 
 
-class QuietableMesh(ScriptedMesh):
-    """The scripted mesh, whose workers named in `silent` stop heartbeating."""
-
-    silent: frozenset[str] = frozenset()
-
-    async def _heartbeats(self) -> None:
-        while True:
-            for worker, role in ((PREFILL, m.Role.PREFILL), (DECODE, m.Role.DECODE)):
-                if worker not in self.silent:
-                    await self.nc.publish(m.heartbeat_subject(role, worker), m.encode(
-                        m.Heartbeat(worker_id=worker, role=role, model="tiny",
-                                    pool_capacity_tokens=1 << 20, available_tokens=1 << 20,
-                                    page_tokens=16, configured_context=4096,
-                                    served_context=4096, sent_at=time.time())))
-            await asyncio.sleep(0.1)
-
-
 @pytest.fixture
 async def scripted(nats_server: NatsServer
-                   ) -> AsyncIterator[Callable[..., Awaitable[tuple[Gateway, QuietableMesh]]]]:
-    import nats
+                   ) -> AsyncIterator[Callable[..., Awaitable[tuple[Gateway, ScriptedMesh]]]]:
+    async with gateways(nats_server.url) as start_mesh:
 
-    nc = await nats.connect(nats_server.url)
-    started: list[tuple[Gateway, QuietableMesh]] = []
+        async def start(script) -> tuple[Gateway, ScriptedMesh]:
+            run = await start_mesh(script, heartbeat_s=0.1, worker_ttl_s=TTL_S,
+                                   prefill_stall_s=10.0, request_timeout_s=10.0)
+            await asyncio.sleep(TTL_S + 0.2)  # the gateway has listened for a whole TTL
+            return run.gw, run.mesh
 
-    async def start(script) -> tuple[Gateway, QuietableMesh]:
-        mesh = QuietableMesh(nc, script)
-        await mesh.start()
-        gw = Gateway(resolve("gateway", {
-            "model": "tiny", "nats_url": nats_server.url, "http_host": "127.0.0.1",
-            "http_port": 0, "worker_ttl_s": TTL_S, "prefill_stall_s": 10.0,
-            "request_timeout_s": 10.0}, {}))
-        started.append((gw, mesh))
-        await gw.start()
-        deadline = time.monotonic() + 5
-        while not (gw.registry.views(m.Role.DECODE) and gw.registry.views(m.Role.PREFILL)):
-            assert time.monotonic() < deadline, "gateway heard no heartbeat"
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(TTL_S + 0.2)  # the gateway has listened for a whole TTL
-        return gw, mesh
-
-    try:
         yield start
-    finally:
-        for gw, mesh in started:
-            await gw.rt.drain("test over")
-            await mesh.close()
-        await nc.close()
 
 
 async def _stream(gw: Gateway) -> tuple[int, list[bytes]]:
@@ -115,7 +77,7 @@ async def test_a_pause_of_the_whole_machine_blames_no_worker(scripted) -> None:
 
     thawed = asyncio.Event()
 
-    async def frozen_with_the_gateway(mesh: QuietableMesh, rid: str) -> None:
+    async def frozen_with_the_gateway(mesh: ScriptedMesh, rid: str) -> None:
         for seq in range(TOKENS):
             if DECODE in mesh.silent:  # frozen: no token either
                 await thawed.wait()
@@ -148,7 +110,7 @@ async def test_a_worker_that_stops_heartbeating_still_fails_its_request(scripted
     `peer_released` naming decode about a TTL later (not after --request-timeout-s)."""
     silent_at: list[float] = []
 
-    async def goes_silent(mesh: QuietableMesh, rid: str) -> None:
+    async def goes_silent(mesh: ScriptedMesh, rid: str) -> None:
         for seq in range(3):
             await mesh.token(rid, seq)
             await asyncio.sleep(0.05)
@@ -171,7 +133,7 @@ async def test_workers_that_all_stop_heartbeating_still_fail_the_request(scripte
     stream ends with `peer_released` about a TTL later."""
     silent_at: list[float] = []
 
-    async def all_silent(mesh: QuietableMesh, rid: str) -> None:
+    async def all_silent(mesh: ScriptedMesh, rid: str) -> None:
         for seq in range(3):
             await mesh.token(rid, seq)
             await asyncio.sleep(0.05)

@@ -2,7 +2,7 @@
 tokenizer threads from the others.
 
 A real gateway (in this process) on a real nats-server in front of the scripted mesh of
-tests/gateway/test_progress.py. One tenant sends prompts that take seconds to tokenize
+tests/support/scripted_mesh.py. One tenant sends prompts that take seconds to tokenize
 while another tenant's stream runs: the stream keeps its pace (no gap between its SSE events
 over 1 s) and finishes. The tokenizer is SmolLM2's (HF `tokenizers`, when its GGUF is in the
 cache: nothing is downloaded here) or a stand-in whose `encode` sleeps as long, without the
@@ -23,13 +23,10 @@ import aiohttp
 import pytest
 
 from pdmesh.gateway import app as gateway_app
-from pdmesh.gateway.app import Gateway
 from pdmesh.services.engine import checkpoint
 from pdmesh.services.engine.tokenizer import ByteTokenizer, Tokenizer
-from pdmesh.services.protocol import messages as m
-from pdmesh.services.runtime.config import resolve
-from tests.gateway.test_progress import Running, ScriptedMesh
 from tests.support.meshproc import NatsServer
+from tests.support.scripted_mesh import Running, ScriptedMesh, gateways
 
 SLOW_S = 1.5  # how long the stand-in tokenizer takes for a long text
 MAX_GAP_S = 1.0  # the most a stream may wait between two SSE events
@@ -62,33 +59,14 @@ def _tokenizer(kind: str) -> Tokenizer:
 @pytest.fixture
 async def gateway(nats_server: NatsServer, monkeypatch
                   ) -> AsyncIterator[Callable[..., Awaitable[Running]]]:
-    import nats
+    async with gateways(nats_server.url) as start_mesh:
 
-    nc = await nats.connect(nats_server.url)
-    started: list[tuple[Gateway, ScriptedMesh]] = []
+        async def start(tokenizer: Tokenizer, script, **settings) -> Running:
+            monkeypatch.setattr(gateway_app, "load_tokenizer",
+                                lambda _spec: (tokenizer, "tiny"))
+            return await start_mesh(script, **settings)
 
-    async def start(tokenizer: Tokenizer, script, **settings) -> Running:
-        monkeypatch.setattr(gateway_app, "load_tokenizer", lambda _spec: (tokenizer, "tiny"))
-        mesh = ScriptedMesh(nc, script)
-        await mesh.start()
-        gw = Gateway(resolve("gateway", {"model": "tiny", "nats_url": nats_server.url,
-                                         "http_host": "127.0.0.1", "http_port": 0,
-                                         **settings}, {}))
-        await gw.start()
-        started.append((gw, mesh))
-        deadline = time.monotonic() + 5
-        while not gw.registry.views(m.Role.DECODE):
-            assert time.monotonic() < deadline, "gateway heard no heartbeat"
-            await asyncio.sleep(0.05)
-        return Running(gw, mesh)
-
-    try:
         yield start
-    finally:
-        for gw, mesh in started:
-            await gw.rt.drain("test over")
-            await mesh.close()
-        await nc.close()
 
 
 def _big_text(num_bytes: int, seed: int = 0) -> str:

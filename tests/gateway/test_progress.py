@@ -1,16 +1,18 @@
 """The gateway's liveness is progress, not a fixed deadline, and it measures the phases of
 the time to first token.
 
-A real gateway (in this process) on a real nats-server, in front of a scripted mesh: the
-test answers admission's submit itself and plays prefill and decode on the request's token
-stream with exactly the timing each case needs (a prefill that reports progress for longer
-than --prefill-stall-s, one that goes quiet, a decode that stops sending tokens). The same
+A real gateway (in this process) on a real nats-server, in front of a scripted mesh
+(tests/support/scripted_mesh.py): the test answers admission's submit itself and plays
+prefill and decode on the request's token stream with exactly the timing each case needs
+(a prefill that reports progress for longer than --prefill-stall-s, one that goes quiet, a
+decode that stops sending tokens). The same
 rules on a real mesh are in tests/gateway/test_long_prompt.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,145 +21,28 @@ from pathlib import Path
 import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.gateway.app import Gateway
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.services.protocol import messages as m
-from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.config import resolve
 from tests.support.meshproc import NatsServer
+from tests.support.scripted_mesh import (
+    PREFILL,
+    Running,
+    ScriptedMesh,
+    gateways,
+    heard_workers,
+)
 
-PREFILL, DECODE = "pre-1", "dec-1"
 STALL_S = 0.6  # --prefill-stall-s and --request-timeout-s of the gateway under test
-Script = Callable[["ScriptedMesh", str], Awaitable[None]]
-
-
-class ScriptedMesh:
-    """Admission, prefill and decode as the gateway sees them over NATS: heartbeats, an
-    Admitted reply to every submit, then `script(mesh, request_id)` on its token stream."""
-
-    def __init__(self, nc, script: Script, served_context: int = 4096) -> None:
-        self.nc, self.script, self.served_context = nc, script, served_context
-        self.submits: list[m.SubmitRequest] = []
-        self.keys: dict[str, bytes] = {}  # request id -> stream key (the workers get it)
-        self.aborts: list[str] = []
-        self.tasks: set[asyncio.Task] = set()
-
-    async def start(self) -> None:
-        submits, aborts = m.Decoder(m.SubmitRequest), m.Decoder(m.Abort)
-
-        async def on_submit(msg) -> None:
-            req = submits.decode(msg.subject, msg.data)
-            self.submits.append(req)
-            self.keys[req.request_id] = streamauth.parse_key(req.stream_key)
-            await msg.respond(m.encode(m.Admitted(request_id=req.request_id,
-                                                  decode_worker=DECODE,
-                                                  prefill_worker=PREFILL)))
-            self._own(self.script(self, req.request_id))
-
-        async def on_abort(msg) -> None:
-            self.aborts.append(aborts.decode(msg.subject, msg.data).request_id)
-
-        await self.nc.subscribe(m.SUBMIT_SUBJECT, cb=on_submit)
-        await self.nc.subscribe(m.ABORT_SUBJECT, cb=on_abort)
-        self._own(self._heartbeats())
-
-    def _own(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _heartbeats(self) -> None:
-        while True:
-            for worker, role in ((PREFILL, m.Role.PREFILL), (DECODE, m.Role.DECODE)):
-                await self.nc.publish(m.heartbeat_subject(role, worker), m.encode(m.Heartbeat(
-                    worker_id=worker, role=role, model="tiny", pool_capacity_tokens=1 << 20,
-                    available_tokens=1 << 20, page_tokens=16,
-                    configured_context=self.served_context,
-                    served_context=self.served_context, sent_at=time.time())))
-            await asyncio.sleep(0.2)
-
-    async def send(self, request_id: str, event: m.StreamEvent) -> None:
-        """As the request's worker sends it: MACed under the request's stream key."""
-        subject, data = m.tokens_subject(request_id), m.encode(event)
-        await self.nc.publish(subject, data, headers=streamauth.sign(
-            self.keys[request_id], subject, data))
-
-    async def progress_for(self, request_id: str, seconds: float, every_s: float = 0.2) -> None:
-        """Prefill working on the prompt: a PrefillProgress every `every_s` for `seconds`."""
-        steps = max(1, round(seconds / every_s))
-        for i in range(steps):
-            await self.send(request_id, m.PrefillProgress(
-                request_id=request_id, reservation_id="r", done_tokens=i, total_tokens=steps))
-            await asyncio.sleep(every_s)
-
-    async def token(self, request_id: str, seq: int, finish: bool = False,
-                    decode_first_token_s: float | None = None) -> None:
-        await self.send(request_id, m.TokenEvent(
-            request_id=request_id, seq=seq, token_ids=[ord("a")], prompt_tokens=5,
-            finish=m.FINISHED_LENGTH if finish else None,
-            decode_first_token_s=decode_first_token_s))
-
-    async def close(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
-class Running:
-    def __init__(self, gw: Gateway, mesh: ScriptedMesh) -> None:
-        self.gw, self.mesh = gw, mesh
-        self.base = f"http://127.0.0.1:{gw.rt.http_port}"
-
-    async def post(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict, float]:
-        t0 = time.monotonic()
-        async with aiohttp.ClientSession() as http, http.post(
-                self.base + path, json={"model": "tiny", **body},
-                headers={"Authorization": "Bearer sk-dev-alice"}) as resp:
-            return resp.status, await resp.json(), time.monotonic() - t0
-
-    async def metrics(self) -> dict[tuple[str, frozenset], float]:
-        async with aiohttp.ClientSession() as http, http.get(self.base + "/metrics") as resp:
-            text = await resp.text()
-        return {(s.name, frozenset(s.labels.items())): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 @pytest.fixture
 async def scripted(nats_server: NatsServer) -> AsyncIterator[Callable[..., Awaitable[Running]]]:
-    import nats
+    async with gateways(nats_server.url) as start:
+        yield functools.partial(start, prefill_stall_s=STALL_S, request_timeout_s=STALL_S)
 
-    nc = await nats.connect(nats_server.url)
-    started: list[tuple[Gateway, ScriptedMesh]] = []
-
-    async def start(script: Script, **settings) -> Running:
-        mesh = ScriptedMesh(nc, script, settings.pop("served_context", 4096))
-        await mesh.start()
-        cfg = resolve("gateway", {"model": "tiny", "nats_url": nats_server.url,
-                                  "http_host": "127.0.0.1", "http_port": 0,
-                                  "prefill_stall_s": STALL_S, "request_timeout_s": STALL_S,
-                                  **settings}, {})
-        gw = Gateway(cfg)
-        await gw.start()
-        started.append((gw, mesh))
-        await _heard_workers(gw)
-        return Running(gw, mesh)
-
-    try:
-        yield start
-    finally:
-        for gw, mesh in started:
-            await gw.rt.drain("test over")
-            await mesh.close()
-        await nc.close()
-
-
-async def _heard_workers(gw: Gateway) -> None:
-    deadline = time.monotonic() + 5
-    while not gw.registry.views(m.Role.DECODE):  # the scripted heartbeats arrived
-        assert time.monotonic() < deadline, "gateway heard no heartbeat"
-        await asyncio.sleep(0.05)
 
 
 def _value(sample: dict, name: str) -> float:
@@ -276,7 +161,7 @@ async def test_a_control_message_over_nats_max_payload_is_a_clear_413(tmp_path: 
         gw = Gateway(resolve("gateway", {"model": "tiny", "nats_url": server.url,
                                          "http_host": "127.0.0.1", "http_port": 0}, {}))
         await gw.start()
-        await _heard_workers(gw)
+        await heard_workers(gw)
         run = Running(gw, mesh)
         for path, body in (("/v1/completions", {"prompt": "x" * 70_000, "max_tokens": 4}),
                            ("/v1/completions", {"prompt": [200] * 40_000, "max_tokens": 4}),

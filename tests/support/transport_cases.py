@@ -3,6 +3,7 @@ transfer case, and the check that a failed transfer left each page untouched or 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import uuid
 
@@ -58,3 +59,12 @@ def assert_untouched_or_poisoned(dst, snapshot, err: TransferError, page_ids) ->
             assert (dst.array[index] == POISON_BYTE).all(), f"page {page_id} not poisoned"
         else:
             assert (dst.array[index] == snapshot[index]).all(), f"page {page_id} touched"
+
+
+async def wait_until(predicate, seconds: float = 3.0) -> None:
+    """Poll `predicate` every 10 ms until it holds; AssertionError after `seconds`."""
+    for _ in range(int(seconds / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")

@@ -22,7 +22,7 @@ import pytest
 
 from pdmesh.transports import Reason, TransferError, make_transport
 from pdmesh.transports.framing import Kind, encode_header, reservation_bytes
-from tests.support.transport_cases import PROGRESS_S, make_case
+from tests.support.transport_cases import PROGRESS_S, make_case, wait_until
 
 # The transport's own verdict: it imports whichever NIXL build is installed (nixl_cu12,
 # nixl_cu13), and its error names the extras to install.
@@ -46,14 +46,6 @@ async def _nixl(**receiver_options):
     finally:
         await sender.close()
         await receiver.close()
-
-
-async def _until(predicate, seconds: float = 3.0) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 def _span(array: np.ndarray) -> tuple[int, int]:
@@ -134,7 +126,7 @@ async def test_a_region_is_lent_again_only_after_its_senders_release():
         del sender._out[link]
         sender._idle.clear()
         link.close()
-        await _until(lambda: receiver.staging_retired == 1)
+        await wait_until(lambda: receiver.staging_retired == 1)
         assert _retired_gauge(receiver) == 1  # what the worker's /metrics shows
         # The one region is not lent to anybody else while that sender may still write.
         src2, _, target2, plan2 = make_case(page_bytes=PAGE, seed=3)
@@ -146,7 +138,7 @@ async def test_a_region_is_lent_again_only_after_its_senders_release():
         assert receiver.staging_retired == 1
         # Its release notification (every WRITE of it ended) frees the region.
         sender._release(out)
-        await _until(lambda: receiver.staging_retired == 0)
+        await wait_until(lambda: receiver.staging_retired == 0)
         assert _retired_gauge(receiver) == 0
         await sender.send(address, plan2, src2.views())
         await fut2
@@ -159,7 +151,7 @@ async def test_a_closed_sender_releases_its_regions():
         await sender.send(address, plan, src.views())
         await fut
         await sender.close()  # discards the pooled link: its release goes out
-        await _until(lambda: not receiver._lent and receiver.staging_retired == 0)
+        await wait_until(lambda: not receiver._lent and receiver.staging_retired == 0)
         assert len(receiver._free) == 1
 
 

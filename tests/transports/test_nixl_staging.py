@@ -21,7 +21,7 @@ import pytest
 from pdmesh.transports import PagesReady, Reason, TransferError, make_transport
 from pdmesh.transports.base import PeerUnreachable
 from pdmesh.transports.framing import Kind, encode_header, reservation_bytes
-from tests.support.transport_cases import PROGRESS_S, make_case
+from tests.support.transport_cases import PROGRESS_S, make_case, wait_until
 
 nixl = importlib.import_module("pdmesh.transports.nixl")
 if nixl.nixl_import_error is not None:
@@ -53,14 +53,6 @@ async def _senders(n: int):
     finally:
         for sender in senders:
             await sender.close()
-
-
-async def _until(predicate, seconds: float = 3.0) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 async def _prove(address: str, target) -> tuple[bytes, asyncio.StreamWriter]:
@@ -136,7 +128,7 @@ async def test_an_honest_sender_that_reopens_its_link_gets_the_region_again():
         fut = receiver.expect(target)
         pages = PagesReady(plan.num_pages)
         send = asyncio.ensure_future(sender.send(address, plan, src.views(), ready=pages))
-        await _until(lambda: receiver._lent)
+        await wait_until(lambda: receiver._lent)
         (first,) = receiver._lent
         await asyncio.sleep(0.15)
         pages.complete(plan.first_token)
@@ -157,7 +149,7 @@ async def test_a_receiver_without_a_region_to_lend_is_not_ready_and_refuses_as_u
         fut = receiver.expect(target)
         pages = PagesReady(plan.num_pages)  # streamed: the link opens at once, pages later
         send = asyncio.ensure_future(holder.send(address, plan, src.views(), ready=pages))
-        await _until(lambda: receiver._lent)
+        await wait_until(lambda: receiver._lent)
         assert not receiver.accepting  # what the worker's /ready and heartbeat follow
         src2, _, target2, plan2 = make_case(page_bytes=PAGE, seed=3)
         fut2 = receiver.expect(target2)
@@ -173,7 +165,7 @@ async def test_a_receiver_without_a_region_to_lend_is_not_ready_and_refuses_as_u
         assert (dst.array[:plan.num_pages] == src.array[:plan.num_pages]).all()
         assert not receiver.accepting  # the holder's pooled link keeps the region
         await holder.close()  # its release frees the region
-        await _until(lambda: receiver.accepting)
+        await wait_until(lambda: receiver.accepting)
         await refused.send(address, plan2, src2.views())
         await fut2
 
@@ -186,14 +178,14 @@ async def test_a_region_never_released_is_lent_again_after_retired_s():
         tag, writer = await _prove(address, target_a)
         assert tag == b"PDNXOK01"
         writer.close()  # ended without a release
-        await _until(lambda: receiver.staging_retired == 1)
+        await wait_until(lambda: receiver.staging_retired == 1)
         assert not receiver.accepting
         src, _, target, plan = make_case(page_bytes=PAGE, seed=9)
         fut = receiver.expect(target)
         with pytest.raises(TransferError) as caught:
             await sender.send(address, plan, src.views())
         assert caught.value.unreachable
-        await _until(lambda: receiver.accepting)
+        await wait_until(lambda: receiver.accepting)
         await sender.send(address, plan, src.views())
         await fut
         assert receiver.staging_retired == 0
