@@ -21,12 +21,12 @@ from typing import Any
 from aiohttp import web
 
 from pdmesh.gateway.generation import STREAM_STARTED, Generation, json_response
+from pdmesh.gateway.limits import TenantLimiter
 from pdmesh.gateway.mesh import (
     MeshClient,
     MeshRejected,
     MeshTooLarge,
     MeshUnavailable,
-    Submission,
     WorkerLiveness,
 )
 from pdmesh.gateway.metrics import GatewayMetrics
@@ -59,6 +59,7 @@ _REJECT_STATUS = {
     m.Code.EXCEEDS_DECODE_POOL: (400, "context_length_exceeded"),
     m.Code.INVALID: (400, "invalid_request"),
     m.Code.SATURATED: (429, "mesh_saturated"),
+    m.Code.TENANT_LIMIT: (429, "tenant_kv_share"),  # admission holds tenants to kv_share
     m.Code.NO_WORKERS: (503, "no_workers"),
 }
 
@@ -78,6 +79,7 @@ class Gateway:
         self.served_names = cfg.served_model_names or [derived_name]
         self.model_name = self.served_names[0]
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
+        self.limiter = TenantLimiter()  # each tenant's concurrency and rates (limits.py)
         self.liveness = WorkerLiveness(self.rt, self.registry, cfg.worker_ttl_s)
         # A test mesh copies the fault header onto the submit (services/faults.py).
         self.submit_headers = faults.gateway_headers(cfg)
@@ -125,7 +127,7 @@ class Gateway:
         try:
             return await handler(request)
         except ApiError as exc:
-            return json_response(exc.body(), status=exc.status)
+            return json_response(exc.body(), status=exc.status, headers=exc.headers())
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -315,30 +317,41 @@ class Gateway:
                     request_id=rid, outcome=m.Outcome(code=over.reason, detail=over.message),
                     prompt_len=len(ids), max_tokens=max_tokens, limit=over.limit))
             headers = self.submit_headers(request.headers) if self.submit_headers else None
-            async with contextlib.AsyncExitStack() as stack:
-                subs: list[Submission] = []
-                for i in range(n):
-                    req = m.SubmitRequest(
-                        request_id=rid if n == 1 else f"{rid}-{i}", tenant=tenant.tenant_id,
-                        cache_salt=tenant.cache_salt, prompt_ids=ids, max_tokens=max_tokens,
-                        sampling=self.sampling_for(body, ids, _seed_of(seed, i)),
-                        stream_key=streamauth.new_key())
-                    subs.append(await stack.enter_async_context(
-                        self.mesh.submit(req, headers)))
-                metrics.queue_time.labels(self.model_name).observe(time.monotonic() - t0)
-                gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0)
-                try:
-                    outcome = await gen.run(subs)
-                finally:
-                    outcome = gen.outcome or outcome  # also when run() raised 502/504
-                return gen.response
+            samplings = [self.sampling_for(body, ids, _seed_of(seed, i)) for i in range(n)]
+            rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+            limits = tenant.limits
+            # One submit for every choice: admission reserves all of them or none.
+            req = m.SubmitRequest(
+                request_id=rids[0], tenant=tenant.tenant_id, cache_salt=tenant.cache_salt,
+                prompt_ids=ids, max_tokens=max_tokens, sampling=samplings[0],
+                stream_key=streamauth.new_key(), weight=limits.weight,
+                kv_share=limits.kv_share, choices=[
+                    m.SubmitChoice(request_id=r, stream_key=streamauth.new_key(), sampling=s)
+                    for r, s in zip(rids[1:], samplings[1:], strict=True)])
+            try:
+                self.limiter.admit(tenant, n, n * (len(ids) + max_tokens))
+            except ApiError as exc:
+                outcome = m.Outcome(code=m.Code.TENANT_LIMIT, detail=exc.message)
+                raise
+            try:
+                async with self.mesh.submit(req, headers) as subs:
+                    metrics.queue_time.labels(self.model_name).observe(time.monotonic() - t0)
+                    gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0)
+                    try:
+                        outcome = await gen.run(subs)
+                    finally:
+                        outcome = gen.outcome or outcome  # also when run() raised 502/504
+                    return gen.response
+            finally:
+                self.limiter.release(tenant.tenant_id, n)
         except MeshRejected as exc:
             status, code = _REJECT_STATUS.get(exc.outcome.code, (400, "invalid_request"))
             outcome = exc.outcome
             raise ApiError(status, exc.outcome.detail, code=code,
                            param="messages" if chat else "prompt",
                            type_="invalid_request_error" if status == 400 else
-                           "server_error") from None
+                           "rate_limit_error" if status == 429 else "server_error",
+                           retry_after_s=exc.retry_after_s) from None
         except MeshTooLarge as exc:
             log.warning("gateway: %s: %s", exc.request_id, exc)
             outcome = m.Outcome(code=m.Code.INVALID, detail=str(exc))

@@ -59,6 +59,7 @@ class MeshRejected(Exception):
         super().__init__(rejection.outcome.detail)
         self.rejection = rejection
         self.outcome = rejection.outcome
+        self.retry_after_s = rejection.retry_after_s
 
 
 class MeshFailed(Exception):
@@ -209,34 +210,27 @@ class MeshClient:
 
     @contextlib.asynccontextmanager
     async def submit(self, req: m.SubmitRequest,
-                     headers: dict[str, str] | None = None) -> AsyncIterator[Submission]:
-        """Admit the request or raise MeshRejected/MeshUnavailable; yield its event queue.
+                     headers: dict[str, str] | None = None) -> AsyncIterator[list[Submission]]:
+        """Admit the request, every choice of it together, or raise MeshRejected /
+        MeshUnavailable; yield one Submission (event queue) per choice, choice 0 first.
         `headers` go on the NATS submit (only a test mesh's fault header uses them)."""
         # Checked before anything is sent or subscribed: nats-py raises MaxPayloadError
         # only after it registered the reply future (which then stays behind).
         size, limit = len(m.encode(req)) + SUBMIT_OVERHEAD_BYTES, self.rt.nc.max_payload
         if size > limit:
             raise MeshTooLarge(req.request_id, size, limit)
-        queue: asyncio.Queue[m.LocalStreamEvent] = asyncio.Queue()
         stop_ids = frozenset(req.sampling.stop_token_ids) | (
             frozenset() if req.sampling.ignore_eos else self.eos_token_ids)
-        sub_state = Submission(request_id=req.request_id, events=queue,
-                               max_tokens=req.max_tokens, stop_ids=stop_ids,
-                               min_tokens=req.sampling.min_tokens)
-        key = streamauth.parse_key(req.stream_key)
-
-        async def on_msg(msg: Msg) -> None:
-            if not streamauth.verify(key, msg.subject, msg.data, msg.headers):
-                self.rt.refuse("stream_mac", f"an event on {msg.subject} without its MAC")
-                return
-            try:
-                queue.put_nowait(self._decoder.decode(msg.subject, msg.data))
-            except m.MessageError as exc:
-                log.warning("gateway: %s", exc)
-
-        sub = await self.rt.nc.subscribe(m.tokens_subject(req.request_id), cb=on_msg)
-        self._inflight[req.request_id] = sub_state
+        choices = [m.SubmitChoice(request_id=req.request_id, stream_key=req.stream_key,
+                                  sampling=req.sampling), *req.choices]
+        held: list[tuple[Submission, Any]] = []
         try:
+            for choice in choices:
+                state = Submission(request_id=choice.request_id, events=asyncio.Queue(),
+                                   max_tokens=req.max_tokens, stop_ids=stop_ids,
+                                   min_tokens=req.sampling.min_tokens)
+                held.append((state, await self._listen(state, choice.stream_key)))
+                self._inflight[choice.request_id] = state
             try:
                 reply = await self.rt.request(m.SUBMIT_SUBJECT, req, m.SubmitReply,
                                               self.submit_timeout_s, headers=headers)
@@ -247,25 +241,57 @@ class MeshClient:
                                    self.rt.nc.max_payload) from None
             if isinstance(reply, m.Rejected):
                 raise MeshRejected(reply)
-            sub_state.admitted_at = time.monotonic()
-            sub_state.decode_worker = reply.decode_worker
-            sub_state.prefill_worker = reply.prefill_worker
-            yield sub_state
+            placed = {p.request_id: p for p in reply.choices}
+            placed[req.request_id] = m.Placement(request_id=req.request_id,
+                                                 decode_worker=reply.decode_worker,
+                                                 prefill_worker=reply.prefill_worker)
+            now = time.monotonic()
+            for state, _ in held:
+                where = placed.get(state.request_id)
+                if where is None:
+                    raise MeshUnavailable(f"admission placed no worker for choice "
+                                          f"{state.request_id}")
+                state.admitted_at = now
+                state.decode_worker = where.decode_worker
+                state.prefill_worker = where.prefill_worker
+            yield [state for state, _ in held]
         finally:
-            self._inflight.pop(req.request_id, None)
-            if (sub_state.finished and not sub_state.timing_seen
-                    and sub_state.prefill_worker != sub_state.decode_worker):
-                self.rt.spawn(self._linger(sub_state, sub), f"linger:{req.request_id}")
-            else:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            if not sub_state.finished:  # guard: abort-on-disconnect
-                # Anything but a clean finish (client gone, deadline, stop string, error
-                # already reported) tells every worker to let go now.
-                with contextlib.suppress(Exception):
-                    await self.rt.publish(m.ABORT_SUBJECT, m.Abort(
-                        request_id=req.request_id, outcome=m.Outcome(
-                            code=m.Code.ABORTED, detail="gateway ended the request")))
+            for state, nats_sub in held:
+                await self._let_go(state, nats_sub)
+
+    async def _listen(self, state: Submission, stream_key: str) -> Any:
+        """Subscribe to the choice's token stream, taking only events MACed under its key."""
+        key = streamauth.parse_key(stream_key)
+        decoder, queue = self._decoder, state.events
+
+        async def on_msg(msg: Msg) -> None:
+            if not streamauth.verify(key, msg.subject, msg.data, msg.headers):
+                self.rt.refuse("stream_mac", f"an event on {msg.subject} without its MAC")
+                return
+            try:
+                queue.put_nowait(decoder.decode(msg.subject, msg.data))
+            except m.MessageError as exc:
+                log.warning("gateway: %s", exc)
+
+        return await self.rt.nc.subscribe(m.tokens_subject(state.request_id), cb=on_msg)
+
+    async def _let_go(self, sub_state: Submission, sub: Any) -> None:
+        """The choice's reply is over: stop listening (after prefill's timing, when it may
+        still come) and, unless it finished cleanly, tell every worker to let go."""
+        self._inflight.pop(sub_state.request_id, None)
+        if (sub_state.finished and not sub_state.timing_seen
+                and sub_state.prefill_worker != sub_state.decode_worker):
+            self.rt.spawn(self._linger(sub_state, sub), f"linger:{sub_state.request_id}")
+        else:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if not sub_state.finished:  # guard: abort-on-disconnect
+            # Anything but a clean finish (client gone, deadline, stop string, error
+            # already reported) tells every worker to let go now.
+            with contextlib.suppress(Exception):
+                await self.rt.publish(m.ABORT_SUBJECT, m.Abort(
+                    request_id=sub_state.request_id, outcome=m.Outcome(
+                        code=m.Code.ABORTED, detail="gateway ended the request")))
 
     async def tokens(self, sub: Submission, stall_s: float, idle_s: float,
                      alive: Callable[[], bool], dead_worker: Callable[[Submission], Awaitable[str]]

@@ -8,6 +8,7 @@ otherwise refused with a clear 400, never silently ignored.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -21,13 +22,21 @@ class ApiError(Exception):
     """An error answered in the OpenAI shape {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 retry_after_s: float = 0.0) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # > 0: answered with a Retry-After header
+
+    def headers(self) -> dict[str, str] | None:
+        """`Retry-After` in whole seconds (at least 1), when the error names a wait."""
+        if self.retry_after_s <= 0:
+            return None
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

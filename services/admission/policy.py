@@ -42,6 +42,7 @@ class Rejected:
     reason: Code  # a REJECTED-kind code
     message: str
     limit: int = 0
+    retry_after_s: float = 0.0  # when trying again may succeed (0: no estimate)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Retry:
     another worker or wait, never final by itself."""
 
     why: str
+    worker_id: str = ""  # the decode that did not reserve ("": none in particular)
 
 
 class AdmissionPolicy(Protocol):

@@ -35,6 +35,7 @@ class _Entry:
     seen_at: float
     charged_tokens: int = 0
     charged_requests: int = 0
+    charged_tenants: dict[str, int] = field(default_factory=dict)
     prefix_set: frozenset[int] = field(default_factory=frozenset)
 
 
@@ -84,12 +85,28 @@ class CapacityRegistry:
             del self._workers[k]
         return [f"{role.value} {wid}" for role, wid in gone]
 
-    def charge(self, role: m.Role, worker_id: str, num_tokens: int) -> None:
+    def charge(self, role: m.Role, worker_id: str, num_tokens: int, tenant: str = "") -> None:
         entry = self._workers.get((role, worker_id))
         if entry is not None:
             pages = pages_for(num_tokens, max(entry.beat.page_tokens, 1))
             entry.charged_tokens += pages * entry.beat.page_tokens
             entry.charged_requests += 1
+            if tenant:
+                entry.charged_tenants[tenant] = (entry.charged_tenants.get(tenant, 0)
+                                                 + pages * entry.beat.page_tokens)
+
+    def tenant_tokens(self, tenant: str) -> int:
+        """Decode KV tokens `tenant` holds across the live decode workers: their latest
+        heartbeats' figures plus what admission reserved since."""
+        self.expire()
+        return sum(e.beat.tenant_tokens.get(tenant, 0) + e.charged_tenants.get(tenant, 0)
+                   for (role, _), e in self._workers.items() if role is m.Role.DECODE)
+
+    def decode_capacity_tokens(self) -> int:
+        """The live decode workers' pools together (tokens)."""
+        self.expire()
+        return sum(e.beat.pool_capacity_tokens
+                   for (role, _), e in self._workers.items() if role is m.Role.DECODE)
 
     def views(self, role: m.Role, now: float | None = None, *, cache_salt: str = "",
               prompt_ids: Sequence[int] = ()) -> list[WorkerView]:

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Mapping
 
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Histogram
 
+from pdmesh.kvstore.spec import pages_for
 from pdmesh.services import faults
+from pdmesh.services.admission.fairqueue import FairQueue, Waiter
 from pdmesh.services.admission.policy import (
     AdmissionPolicy,
     Admitted,
@@ -47,7 +52,10 @@ class AdmissionService:
         self.rt = ServiceRuntime(cfg)
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
         self.signer = tickets.Signer(cfg.signing_key)  # only admission holds it
-        self._capacity_changed = asyncio.Event()
+        # Waiting submits wake on a heartbeat or when the fair line moves.
+        self._wake = asyncio.Event()
+        self._beats = 0  # heartbeats seen: a waiter re-asks decodes that refused it after one
+        self.line = FairQueue()
         r = self.rt.registry
         self.decisions = Counter("pdmesh:admission_decisions_total", "Admission decisions",
                                  ["outcome"], registry=r)
@@ -94,7 +102,8 @@ class AdmissionService:
                 log.warning("worker %s serves a clamped context: configured %d > pool %d",
                             beat.worker_id, beat.configured_context, beat.pool_capacity_tokens)
             self.registry.observe(beat)
-            self._capacity_changed.set()  # wake submits waiting for capacity
+            self._beats += 1
+            self._wake.set()  # wake submits waiting for capacity
 
     def _stats(self) -> m.StatsReply:
         counters = {name: counter_total(c) for name, c in (
@@ -116,12 +125,12 @@ class AdmissionService:
         """Admit (reserve + dispatch) or reject: RECEIVED -> ADMITTED or REJECTED, through
         the lifecycle's checks (a reply can only reject with a rejection code)."""
         life = Lifecycle(req.request_id)
-        try:
-            streamauth.parse_key(req.stream_key)
-        except ValueError as exc:
-            # The gateway makes one per request: a submit without it has no stream to trust.
+        # The gateway makes a stream key per choice: a submit without one has no stream to
+        # trust.
+        problem = submit_problem(req)
+        if problem:
             reply: m.SubmitReply = self._reject(req, Rejected(
-                m.Code.INVALID, f"submit without a valid stream key: {exc}"))
+                m.Code.INVALID, f"submit refused: {problem}"))
         else:
             reply = await self._decide(req, headers or {})
         if isinstance(reply, m.Rejected):
@@ -134,65 +143,163 @@ class AdmissionService:
                       headers: Mapping[str, str]) -> m.SubmitReply:
         """Static limits reject at once; a mesh that is only busy right now is waited on for
         up to `queue_timeout_s`, as a serving engine queues, before the request is rejected
-        as saturated (429)."""
+        as saturated (429). While it waits it stands in the tenants' fair line (fairqueue.py):
+        only the line's first eligible request may take capacity, and a request whose
+        tenant holds its KV share is not eligible until the tenant's holdings fall."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.queue_timeout_s
+        waiter = self.line.enter(req.tenant, float(_need_tokens(req)), req.weight, item=req)
+        served = False
         tried: set[str] = set()
-        attempts = 0  # reserve requests made for this request
-        decision: Admitted | Rejected
-        while True:
-            # Cache-aware: each prefill's view says how much of this tenant's prompt it holds.
-            prefills = self.registry.views(m.Role.PREFILL, cache_salt=req.cache_salt,
-                                           prompt_ids=req.prompt_ids)
-            decodes = [d for d in self.registry.views(m.Role.DECODE) if d.worker_id not in tried]
-            if tried and not decodes:
-                pass  # every live decode refused this request: keep its refusal as the answer
-            else:
-                decision = self.policy.decide(  # guard: admission-decides
-                    req, prefills, decodes, headers)
-            if isinstance(decision, Admitted):
-                reply = await self._reserve_and_dispatch(req, decision, headers, attempts)
-                attempts += 1
-                if isinstance(reply, m.Admitted):
-                    return reply
-                if isinstance(reply, Rejected):  # the decode's own gate: final, no queueing
-                    return self._reject(req, reply)
-                # That decode refused (its pool changed since its heartbeat): prefer the
-                # others until its next heartbeat shows what it really has.
-                tried.add(decision.decode.worker_id)
-                decision = Rejected(m.Code.SATURATED,
-                                    f"decode worker {decision.decode.worker_id} could not "
-                                    f"reserve the KV pages: {reply.why}")
-            elif decision.reason is not m.Code.SATURATED:
-                return self._reject(req, decision)
-            if loop.time() >= deadline:
-                return self._reject(req, decision)
-            self._capacity_changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._capacity_changed.wait(),
-                                       min(0.25, max(deadline - loop.time(), 0.01)))
-            if self._capacity_changed.is_set():
-                tried.clear()  # fresh heartbeats: every decode may be asked again
+        beats = self._beats
+        attempts = 0  # admission attempts made for this request
+        decision: Admitted | list[Admitted] | Rejected
+        refusal = Rejected(m.Code.SATURATED, "no decode worker could reserve the KV pages")
+        try:
+            while True:
+                over = self._over_share(req)
+                if over is not None:
+                    decision = over
+                elif self.line.first(self._eligible) is not waiter:  # guard: fair-line
+                    decision = Rejected(m.Code.SATURATED, "the decode KV is busy and other "
+                                        "tenants' requests are ahead in the fair queue")
+                else:
+                    # Cache-aware: each prefill's view says how much of this tenant's
+                    # prompt it holds.
+                    prefills = self.registry.views(m.Role.PREFILL, cache_salt=req.cache_salt,
+                                                   prompt_ids=req.prompt_ids)
+                    decodes = [d for d in self.registry.views(m.Role.DECODE)
+                               if d.worker_id not in tried]
+                    if not tried or decodes:
+                        decision = self.policy.decide(  # guard: admission-decides
+                            req, prefills, decodes, headers)
+                    else:  # every live decode refused: its refusal is the answer
+                        decision = refusal
+                    if isinstance(decision, Admitted):
+                        decision = self._place_choices(req, decision, prefills, decodes,
+                                                       headers)
+                    if isinstance(decision, list):
+                        reply = await self._admit(req, decision, headers, attempts)
+                        attempts += 1
+                        if isinstance(reply, m.Admitted):
+                            served = True
+                            return reply
+                        if isinstance(reply, Rejected):  # a decode's own gate: final
+                            return self._reject(req, reply)
+                        # That decode refused (its pool changed since its heartbeat):
+                        # prefer the others until its next heartbeat shows what it has.
+                        if reply.worker_id:
+                            tried.add(reply.worker_id)
+                        decision = refusal = Rejected(
+                            m.Code.SATURATED, f"decode worker {reply.worker_id or '(any)'} "
+                            f"could not reserve the KV pages: {reply.why}")
+                    elif decision.reason is not m.Code.SATURATED:
+                        return self._reject(req, decision)
+                if loop.time() >= deadline:
+                    return self._reject(req, decision)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(),
+                                           min(0.25, max(deadline - loop.time(), 0.01)))
+                if self._beats != beats:
+                    beats = self._beats
+                    tried.clear()  # fresh heartbeats: every decode may be asked again
+        finally:
+            self.line.leave(waiter, served)
+            self._wake.set()  # the next in line may go
+
+    def _over_share(self, req: m.SubmitRequest) -> Rejected | None:
+        """The rejection of a request whose tenant would hold more than its `kv_share` of
+        the live decode KV with it (None: within its share). A tenant holding nothing may
+        always have one request, so a share never shrinks the context it can use."""
+        if req.kv_share >= 1.0:
+            return None
+        held = self.registry.tenant_tokens(req.tenant)
+        need = _need_tokens(req)
+        cap = int(req.kv_share * self.registry.decode_capacity_tokens())
+        if held == 0 or held + need <= cap:  # guard: kv-share
+            return None
+        return Rejected(m.Code.TENANT_LIMIT,
+                        f"tenant {req.tenant!r} is at its kv_share limit ({req.kv_share:g} of "
+                        f"the decode KV: {cap} tokens): it holds {held} and this request "
+                        f"needs {need} more", limit=cap)
+
+    def _eligible(self, waiter: Waiter) -> bool:
+        return self._over_share(waiter.item) is None
 
     def _reject(self, req: m.SubmitRequest, rej: Rejected) -> m.Rejected:
         self.decisions.labels("rejected").inc()
         self.rejections.labels(rej.reason.label).inc()
         log.info("rejected %s (%s): %s", req.request_id, rej.reason.name, rej.message)
+        retry_after = rej.retry_after_s or (
+            RETRY_AFTER_S if rej.reason in (m.Code.SATURATED, m.Code.TENANT_LIMIT) else 0.0)
         return m.Rejected(request_id=req.request_id,
                           outcome=m.Outcome(code=rej.reason, detail=rej.message),
                           prompt_len=len(req.prompt_ids), max_tokens=req.max_tokens,
-                          limit=rej.limit)
+                          limit=rej.limit, retry_after_s=retry_after)
 
-    async def _reserve_and_dispatch(self, req: m.SubmitRequest, decision: Admitted,
-                                    headers: Mapping[str, str],
-                                    attempt: int = 0) -> m.Admitted | Rejected | Retry:
-        """Only an `Admitted` decision reaches here (the type says so): reserve on decode,
-        then dispatch. Returns the admitted reply, a final rejection (the decode's own
-        capacity gate refused it), or `Retry` (that decode did not reserve now)."""
+    def _place_choices(self, req: m.SubmitRequest, first: Admitted,
+                       prefills: list[WorkerView], decodes: list[WorkerView],
+                       headers: Mapping[str, str]) -> list[Admitted] | Rejected:
+        """A worker pair for every choice of the submit (choice 0's is `first`), each
+        decided on the views less the choices placed before it, or the rejection of the
+        first choice that does not fit: all are placed before any is reserved."""
+        placed = [first]
+        for choice in req.choices:
+            prefills = [_charged(v, len(req.prompt_ids)) if v is placed[-1].prefill else v
+                        for v in prefills]
+            decodes = [_charged(v, len(req.prompt_ids) + req.max_tokens)
+                       if v is placed[-1].decode else v for v in decodes]
+            decision = self.policy.decide(
+                msgspec.structs.replace(req, request_id=choice.request_id), prefills,
+                decodes, headers)
+            if isinstance(decision, Rejected):
+                if decision.reason is m.Code.SATURATED:
+                    return Rejected(m.Code.SATURATED, f"the {1 + len(req.choices)} choices "
+                                    f"do not fit the decode KV together now: {decision.message}")
+                return decision
+            placed.append(decision)
+        return placed
+
+    async def _admit(self, req: m.SubmitRequest, placed: list[Admitted],
+                     headers: Mapping[str, str],
+                     attempt: int = 0) -> m.Admitted | Rejected | Retry:
+        """Reserve decode KV for every choice of the submit where `placed` says, then
+        dispatch them all. Returns the admitted reply, a final rejection (a decode's own
+        capacity gate refused), or `Retry` (a choice could not be reserved now). Whatever
+        was reserved for a submit that is not admitted whole is let go before this returns:
+        its choices get all or nothing."""
+        held: list[_Held] = []
+        for choice, decision in zip(_choices(req), placed, strict=True):
+            got = await self._reserve(req, choice, decision, headers, attempt)
+            if not isinstance(got, _Held):
+                await self._cancel(held, "another choice of the submit was not reserved")
+                return got
+            held.append(got)
+        for k, h in enumerate(held):
+            refused = await self._dispatch(req, h, headers)
+            if refused is not None:
+                # The choices dispatched before it end when the gateway aborts the request.
+                await self._cancel(held[k + 1:], refused.message)
+                return refused
+        self.decisions.labels("admitted").inc()
+        first, rest = held[0], held[1:]
+        return m.Admitted(request_id=req.request_id,
+                          decode_worker=first.decision.decode.worker_id,
+                          prefill_worker=first.decision.prefill.worker_id,
+                          choices=[m.Placement(request_id=h.choice.request_id,
+                                               decode_worker=h.decision.decode.worker_id,
+                                               prefill_worker=h.decision.prefill.worker_id)
+                                   for h in rest])
+
+    async def _reserve(self, req: m.SubmitRequest, choice: m.SubmitChoice,
+                       decision: Admitted, headers: Mapping[str, str],
+                       attempt: int) -> _Held | Rejected | Retry:
+        """Sign one choice's ticket and reserve its KV on the decision's decode worker."""
         prefill: WorkerView = decision.prefill
         decode: WorkerView = decision.decode
         ticket = self.signer.sign(
-            request_id=req.request_id, tenant=req.tenant,
+            request_id=choice.request_id, tenant=req.tenant,
             cache_salt=req.cache_salt, prompt_len=len(req.prompt_ids),
             max_tokens=req.max_tokens, prefill_worker=prefill.worker_id,
             decode_worker=decode.worker_id, ttl_s=self.cfg.ticket_ttl_s)
@@ -201,56 +308,124 @@ class AdmissionService:
         data_key = streamauth.new_key()
         try:
             res = await self.rt.request(m.reserve_subject(decode.worker_id),
-                                        m.ReserveRequest(ticket=ticket, sampling=req.sampling,
-                                                         stream_key=req.stream_key,
+                                        m.ReserveRequest(ticket=ticket, sampling=choice.sampling,
+                                                         stream_key=choice.stream_key,
                                                          data_key=data_key),
                                         m.ReserveReply, self.cfg.reserve_timeout_s,
                                         headers=self.policy.reserve_headers(
-                                            req.request_id, headers, attempt))
+                                            choice.request_id, headers, attempt))
         except (TimeoutError, m.MessageError) as exc:
             self.reservations.labels("error").inc()
-            log.warning("reserve on %s for %s failed: %s", decode.worker_id, req.request_id, exc)
+            log.warning("reserve on %s for %s failed: %s", decode.worker_id,
+                        choice.request_id, exc)
             # The decode worker may have reserved after our deadline: tell that worker, and
             # only it, to let go of this ticket's reservation. (A broadcast Abort of the
             # request would also end it where the retry below places it, and the late
             # worker's failure event would end the client's request.)
             await self.rt.publish(m.reserve_subject(decode.worker_id), m.ReserveCancel(
-                request_id=req.request_id, nonce=ticket.nonce,  # guard: reserve-cancel
+                request_id=choice.request_id, nonce=ticket.nonce,  # guard: reserve-cancel
                 outcome=m.Outcome(code=m.Code.RESERVE_FAILED, detail=str(exc))))
-            return Retry(str(exc))
+            return Retry(str(exc), decode.worker_id)
         if isinstance(res, m.ReserveRefused):
             self.reservations.labels("refused").inc()
             detail = res.outcome.detail
-            log.info("decode %s refused %s: %s", decode.worker_id, req.request_id, detail)
+            log.info("decode %s refused %s: %s", decode.worker_id, choice.request_id, detail)
             if res.outcome.code is m.Code.REFUSED:
                 return Rejected(m.Code.EXCEEDS_DECODE_POOL,
                                 f"decode worker {decode.worker_id} refuses: {detail}")
-            return Retry(detail or "refused")
+            return Retry(detail or "refused", decode.worker_id)
         self.reservations.labels("ok").inc()
         self.registry.charge(m.Role.DECODE, decode.worker_id,
-                             len(req.prompt_ids) + req.max_tokens)
+                             len(req.prompt_ids) + req.max_tokens, tenant=req.tenant)
         self.registry.charge(m.Role.PREFILL, prefill.worker_id, len(req.prompt_ids))
+        return _Held(choice, decision, ticket, data_key, res.reservation)
+
+    async def _cancel(self, held: list[_Held], why: str) -> None:
+        """Let go of reservations that will not be dispatched, on the reserve subject of
+        each one's decode (admission may publish there; a Release is prefill's)."""
+        for h in held:
+            await self.rt.publish(m.reserve_subject(h.decision.decode.worker_id),
+                                  m.ReserveCancel(  # guard: group-cancel
+                request_id=h.choice.request_id, nonce=h.ticket.nonce,
+                outcome=m.Outcome(code=m.Code.RESERVE_FAILED, detail=why)))
+
+    async def _dispatch(self, req: m.SubmitRequest, h: _Held,
+                        headers: Mapping[str, str]) -> Rejected | None:
+        """Dispatch one reserved choice to its prefill (None), or the rejection of a
+        dispatch NATS refuses (its reservation already let go)."""
         try:
-            await self.rt.publish(m.dispatch_subject(prefill.worker_id), m.PrefillDispatch(
-                ticket=ticket, prompt_ids=req.prompt_ids, sampling=req.sampling,
-                reservation=res.reservation,
-                grant=self.signer.grant(ticket, req.prompt_ids, res.reservation),
-                stream_key=req.stream_key, data_key=data_key),
+            await self.rt.publish(m.dispatch_subject(h.decision.prefill.worker_id),
+                                  m.PrefillDispatch(
+                ticket=h.ticket, prompt_ids=req.prompt_ids, sampling=h.choice.sampling,
+                reservation=h.reservation,
+                grant=self.signer.grant(h.ticket, req.prompt_ids, h.reservation),
+                stream_key=h.choice.stream_key, data_key=h.data_key),
                 headers=self.policy.dispatch_headers(headers))
         except nats.errors.MaxPayloadError as exc:
             # A NATS configured below the mesh's max_payload (services/ops/natsauth.py): the
             # submit fitted, its dispatch does not. Decode lets go now, quietly: the client
-            # learns why from admission. On the reserve subject, which admission may publish
-            # to (a Release on the release subject is prefill's: NATS refused admission's).
-            await self.rt.publish(m.reserve_subject(decode.worker_id), m.ReserveCancel(
-                request_id=req.request_id, nonce=ticket.nonce,  # guard: payload-cancel
+            # learns why from admission.
+            await self.rt.publish(m.reserve_subject(h.decision.decode.worker_id),
+                                  m.ReserveCancel(
+                request_id=h.choice.request_id, nonce=h.ticket.nonce,  # guard: payload-cancel
                 outcome=m.Outcome(code=m.Code.INVALID, detail=str(exc))))
             return Rejected(m.Code.INVALID, "the prompt's dispatch exceeds this mesh's NATS "
                             f"max_payload ({self.rt.nc.max_payload} bytes): {exc}")
         self.dispatches.inc()
-        self.decisions.labels("admitted").inc()
-        return m.Admitted(request_id=req.request_id, decode_worker=decode.worker_id,
-                          prefill_worker=prefill.worker_id)
+        return None
+
+
+RETRY_AFTER_S = 1.0  # the Retry-After of a saturated mesh or a tenant at its KV share
+MAX_CHOICES = 128  # choices one submit may carry (the gateway's --max-n is far below)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """One choice's reservation, not dispatched yet."""
+
+    choice: m.SubmitChoice
+    decision: Admitted
+    ticket: m.AdmittedTicket
+    data_key: str
+    reservation: m.Reservation
+
+
+def _charged(view: WorkerView, num_tokens: int) -> WorkerView:
+    """`view` less one more request of `num_tokens` (page-rounded)."""
+    taken = pages_for(num_tokens, view.page_tokens) * view.page_tokens
+    return dataclasses.replace(view, available_tokens=max(view.available_tokens - taken, 0),
+                               queue_depth=view.queue_depth + 1)
+
+
+def _choices(req: m.SubmitRequest) -> list[m.SubmitChoice]:
+    """Every choice of the submit, choice 0 (the submit's own request id) first."""
+    return [m.SubmitChoice(request_id=req.request_id, stream_key=req.stream_key,
+                           sampling=req.sampling), *req.choices]
+
+
+def _need_tokens(req: m.SubmitRequest) -> int:
+    """The decode KV the submit asks for: prompt + max_tokens for each of its choices."""
+    return (len(req.prompt_ids) + req.max_tokens) * (1 + len(req.choices))
+
+
+def submit_problem(req: m.SubmitRequest) -> str:
+    """What is wrong with a submit's own fields ("" when nothing): a gateway's bug, or a
+    peer that is not one, answered as an invalid request."""
+    if not (0.0 < req.weight < math.inf):
+        return f"tenant weight {req.weight!r} is not a positive number"
+    if not (0.0 < req.kv_share <= 1.0):
+        return f"tenant kv_share {req.kv_share!r} is not in (0, 1]"
+    if len(req.choices) >= MAX_CHOICES:
+        return f"{1 + len(req.choices)} choices; at most {MAX_CHOICES}"
+    ids = [c.request_id for c in _choices(req)]
+    if len(set(ids)) != len(ids) or not all(ids):
+        return "the choices' request ids are empty or repeated"
+    for c in _choices(req):
+        try:
+            streamauth.parse_key(c.stream_key)
+        except ValueError as exc:
+            return f"choice {c.request_id} has no valid stream key: {exc}"
+    return ""
 
 
 async def serve(cfg: AdmissionConfig) -> None:

@@ -217,6 +217,13 @@ class DecodeService(WorkerBase):
     def active_requests(self) -> int:
         return len(self.requests)
 
+    def tenant_tokens(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for dreq in self.requests.values():
+            tenant = dreq.ticket.tenant
+            held[tenant] = held.get(tenant, 0) + len(dreq.lease.page_ids) * dreq.lease.page_tokens
+        return held
+
     def counters(self) -> dict[str, float]:
         return {"reservations": counter_total(self.reservations),
                 "transfers": counter_total(self.transfers),

@@ -1,9 +1,12 @@
 """Prefill's queueing policy as a plain class: no I/O, no asyncio, unit-tested alone.
 
-Chunk-level round robin. Dispatches wait first come first served; up to `max_active` of
-them are *started* (their lease is taken) and take turns one prefill chunk at a time, so a
-short prompt that arrives behind a long one gets its first token after one chunk of the
-long one, not after all of it (SGLang/vLLM chunked prefill mix chunks the same way). A
+Chunk-level round robin. Up to `max_active` dispatches are *started* (their lease is taken)
+and take turns one prefill chunk at a time, so a short prompt that arrives behind a long one
+gets its first token after one chunk of the long one, not after all of it (SGLang/vLLM
+chunked prefill mix chunks the same way). Waiting dispatches start fairly between tenants:
+next is the first to arrive of the tenants with the fewest started jobs, and a tenant with
+none started may start one even when `max_active` are, so one tenant's flood of long
+prompts delays another's first token by a chunk, not by the flood. A
 job leaves the turns when its compute ends (its KV may still be in flight: it stays held
 in `jobs` until `done()`). A job ended while waiting (an abort) stays in the queue and is
 handed out like any other so that the service counts it; it is never run.
@@ -20,13 +23,20 @@ class Queued(Protocol):
     @property
     def request_id(self) -> str: ...
 
+    # and optionally `tenant: str` (jobs without one share the tenant "")
+
+
+def _tenant(job: Queued) -> str:
+    return getattr(job, "tenant", "")
+
 
 J = TypeVar("J", bound=Queued)
 
 
 class PrefillQueue(Generic[J]):
-    """Waiting jobs (FIFO), started jobs taking turns (round robin by chunk), and `jobs`:
-    every job the worker holds (waiting, started, or sending its KV) until `done()`."""
+    """Waiting jobs (in arrival order, started fairly between tenants), started jobs taking
+    turns (round robin by chunk), and `jobs`: every job the worker holds (waiting, started,
+    or sending its KV) until `done()`."""
 
     def __init__(self, max_active: int = 4) -> None:
         if max_active < 1:
@@ -42,25 +52,34 @@ class PrefillQueue(Generic[J]):
         self._waiting.append(job)
         self.jobs[job.request_id] = job
 
+    def _next(self) -> J | None:
+        """The waiting job to start next: the first of the tenants with fewest started."""
+        if not self._waiting:
+            return None
+        started = collections.Counter(_tenant(j) for j in self._active)
+        job = min(self._waiting, key=lambda j: started[_tenant(j)])  # guard: prefill-fair
+        if len(self._active) >= self.max_active and started[_tenant(job)]:
+            return None
+        return job
+
     def next_waiting(self) -> J | None:
         """The job to start next (still waiting until `start` or `pop`), or None when
-        none waits or `max_active` jobs are started."""
-        if not self._waiting or len(self._active) >= self.max_active:
-            return None
-        return self._waiting[0]
+        none waits or `max_active` jobs are started (and every waiting tenant has one)."""
+        return self._next()
 
     def pop(self) -> J | None:
         """Take the next waiting job out of the line without starting it (to skip or fail
-        it); None when none waits."""
-        return self._waiting.popleft() if self._waiting else None
+        it); None when none is next."""
+        job = self._next()
+        if job is not None:
+            self._waiting.remove(job)
+        return job
 
     def start(self, job: J) -> None:
         """The next waiting job got its lease: it takes turns from now on."""
-        if not self._waiting or self._waiting[0] is not job:
+        if self._next() is not job:
             raise ValueError(f"request {job.request_id} is not next in line")
-        if len(self._active) >= self.max_active:
-            raise ValueError(f"{self.max_active} prefills are started already")
-        self._waiting.popleft()
+        self._waiting.remove(job)
         self._active.appendleft(job)  # its first chunk comes next
 
     def turn(self) -> J | None:

@@ -155,6 +155,10 @@ class PrefillJob:
         return self.dispatch.ticket.request_id
 
     @property
+    def tenant(self) -> str:
+        return self.dispatch.ticket.tenant
+
+    @property
     def prompt_len(self) -> int:
         return len(self.dispatch.prompt_ids)
 

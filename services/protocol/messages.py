@@ -84,6 +84,7 @@ class Code(enum.IntEnum):
     NO_WORKERS = 203  # no live prefill or decode worker
     SATURATED = 204  # workers live but none can hold it now
     INVALID = 205  # empty prompt, bad lengths
+    TENANT_LIMIT = 206  # the tenant holds its share of the decode KV (tenants file)
     # ABORTED: someone stopped an admitted request.
     ABORTED = 300  # client gone or explicit abort
     PEER_RELEASED = 301  # the other side gave up first, or stopped heartbeating
@@ -172,6 +173,31 @@ class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     max_tokens: int
     sampling: Sampling = Sampling()
     stream_key: str = ""
+    # The tenant's limits as the gateway's tenants file sets them (gateway/tenants.py):
+    # admission orders waiting requests by `weight` and holds each tenant to `kv_share`
+    # of the live decode KV.
+    weight: float = 1.0
+    kv_share: float = 1.0
+    # Choices 1..n-1 of an `n` > 1 request: admitted all together with this one (choice 0)
+    # or rejected with it, never some of them.
+    choices: list[SubmitChoice] = []
+
+
+class SubmitChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """One more choice of a submit: the same prompt and max_tokens, its own request id,
+    stream key and sampling (seed)."""
+
+    request_id: str
+    stream_key: str
+    sampling: Sampling = Sampling()
+
+
+class Placement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where admission placed one choice."""
+
+    request_id: str
+    decode_worker: str
+    prefill_worker: str
 
 
 class AdmittedTicket(msgspec.Struct, frozen=True, kw_only=True):
@@ -195,6 +221,7 @@ class Admitted(msgspec.Struct, frozen=True, kw_only=True, tag="admitted"):
     request_id: str
     decode_worker: str
     prefill_worker: str
+    choices: list[Placement] = []  # the submit's other choices, in its order
 
 
 class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
@@ -205,6 +232,7 @@ class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
     prompt_len: int = 0
     max_tokens: int = 0
     limit: int = 0
+    retry_after_s: float = 0.0  # when trying again may succeed (0: no estimate)
 
 
 SubmitReply = Admitted | Rejected
@@ -409,6 +437,9 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
     prefix_hashes: list[int] = []
     prefix_align_tokens: int = 0
     prefix_cached_tokens: int = 0  # tokens held by the cache (evictable ones included)
+    # Decode: KV tokens its leases hold per tenant (admission's per-tenant KV share). Only
+    # the gateway, admission and the tools user may read decode heartbeats (natsauth.py).
+    tenant_tokens: dict[str, int] = {}
 
 
 class DataPlaneUnreachable(msgspec.Struct, frozen=True, kw_only=True, tag="unreachable"):

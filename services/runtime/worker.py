@@ -180,6 +180,10 @@ class WorkerBase:
     def active_requests(self) -> int:
         return len(self.pool.live_leases())
 
+    def tenant_tokens(self) -> dict[str, int]:
+        """KV tokens held per tenant, for the decode heartbeat (prefill: none)."""
+        return {}
+
     async def heartbeat(self, draining: bool = False) -> None:
         pool = self.pool
         self.pool_pages.labels("free").set(pool.num_free_pages)
@@ -206,7 +210,8 @@ class WorkerBase:
             sent_at=time.time(),
             prefix_hashes=cache.summary(summary_limit) if cache else [],
             prefix_align_tokens=cache.align_tokens if cache else 0,
-            prefix_cached_tokens=cache.num_pages * pool.spec.page_tokens if cache else 0))
+            prefix_cached_tokens=cache.num_pages * pool.spec.page_tokens if cache else 0,
+            tenant_tokens=self.tenant_tokens() if role is m.Role.DECODE else {}))
 
     def counters(self) -> dict[str, float]:
         return {}

@@ -476,9 +476,9 @@ MUTATIONS = [
     Mutation("payload-cancel", "a reservation whose dispatch exceeds NATS's max_payload is "
              "freed at once under NATS auth (I6)",
              (Replace("payload-cancel", """
-                await self.rt.publish(m.release_subject(decode.worker_id), m.Release(
-                    request_id=req.request_id,
-                    reservation_id=res.reservation.reservation_id,
+                await self.rt.publish(m.release_subject(h.decision.decode.worker_id), m.Release(
+                    request_id=h.choice.request_id,
+                    reservation_id=h.reservation.reservation_id,
                     outcome=m.Outcome(code=m.Code.INVALID, detail=str(exc))))"""),),
              (ISO + "test_admission_payload.py",)),
     # The native decode attention reads K/V in place through each request's page table:
@@ -675,7 +675,7 @@ MUTATIONS = [
              "placed it)",
              (Replace("reserve-cancel", """
                 await self.rt.publish(m.ABORT_SUBJECT, m.Abort(
-                    request_id=req.request_id,
+                    request_id=choice.request_id,
                     outcome=m.Outcome(code=m.Code.RESERVE_FAILED, detail=str(exc))))"""),),
              ("tests/isolation/test_worker_loss.py::"
               "test_a_decode_answering_after_the_reserve_timeout_costs_the_request_nothing",)),
@@ -745,6 +745,39 @@ MUTATIONS = [
              (Delete("tokenizer-tenant-threads"),),
              ("tests/gateway/test_loop_tokenize.py::"
               "test_a_tenant_over_its_share_of_the_tokenizer_gets_429_and_others_keep_theirs",)),
+    # Tenants share the mesh: KV share and fair order at admission, concurrency and rates
+    # at the gateway, fair starts at prefill.
+    Mutation("kv-share", "a tenant holds at most its kv_share of the live decode KV",
+             (Condition("kv-share", "True"),),
+             ("tests/admission/test_tenant_share.py::"
+              "test_a_tenant_without_max_tokens_cannot_take_the_pool_from_another",
+              "tests/admission/test_tenant_share.py::test_past_its_share_a_tenant_gets_429_naming_the_limit")),
+    Mutation("fair-line", "only the fair line's first eligible submit takes capacity",
+             (Condition("fair-line", "False"),),
+             ("tests/admission/test_tenant_share.py::"
+              "test_admission_serves_the_tenant_that_waited_with_less_first",)),
+    Mutation("group-cancel", "a submit's choices reserved before one that failed are let "
+             "go at once (all or nothing)",
+             (Delete("group-cancel"),),
+             ("tests/admission/test_tenant_share.py::"
+              "test_choices_reserved_before_one_that_fails_are_let_go_at_once",)),
+    Mutation("tenant-concurrency", "a tenant has at most max_concurrent choices in flight "
+             "at a gateway",
+             (Condition("tenant-concurrency", "False"),),
+             ("tests/gateway/test_tenant_limits.py::"
+              "test_concurrency_counts_choices_and_refuses_nothing_it_holds",
+              "tests/gateway/test_tenant_limits.py::"
+              "test_the_gateway_answers_429_with_retry_after_naming_the_limit")),
+    Mutation("tenant-rate", "a tenant's requests and tokens per second are bounded",
+             (Condition("tenant-rate", "False"),),
+             ("tests/gateway/test_tenant_limits.py::"
+              "test_rates_are_one_second_buckets_and_a_refusal_costs_nothing",
+              "tests/gateway/test_tenant_limits.py::"
+              "test_the_gateway_answers_429_with_retry_after_naming_the_limit")),
+    Mutation("prefill-fair", "prefill starts waiting prompts fairly between tenants",
+             (Replace("prefill-fair", "job = self._waiting[0]"),),
+             ("tests/prefill/test_scheduler.py::"
+              "test_waiting_prompts_start_fairly_between_tenants",)),
     Mutation("liveness-listening", "a gateway whose own loop stalled blames no worker",
              (Condition("liveness-listening", "False"),),
              ("tests/gateway/test_loop_liveness.py::"

@@ -59,3 +59,35 @@ def test_prefill_queue_refuses_a_second_job_for_one_request() -> None:
     q.push(Job("a"))
     with pytest.raises(ValueError):
         q.push(Job("a"))
+
+
+@dataclass(eq=False)
+class TenantJob:
+    request_id: str
+    tenant: str
+
+
+def test_waiting_prompts_start_fairly_between_tenants() -> None:
+    """A flood of one tenant's prompts is queued first; another tenant's prompt starts as
+    soon as a slot frees and, with none of its own started, even when every slot is taken."""
+    q: PrefillQueue[TenantJob] = PrefillQueue(max_active=2)
+    flood = [TenantJob(f"h{i}", "heavy") for i in range(5)]
+    for j in flood:
+        q.push(j)
+    for j in flood[:2]:
+        assert q.next_waiting() is j
+        q.start(j)
+    assert q.next_waiting() is None  # both slots are heavy's, and only heavy waits
+    light = TenantJob("l0", "light")
+    q.push(light)
+    assert q.next_waiting() is light  # ahead of three earlier heavy prompts
+    q.start(light)
+    assert q.active == 3 and q.next_waiting() is None
+    for j in flood[:2]:
+        q.stop(j)
+        q.done(j)
+    q.push(TenantJob("l1", "light"))
+    # Light has one started, heavy none: heavy's h2 goes before light's l1.
+    assert q.next_waiting() is flood[2]
+    assert q.pop() is flood[2]
+    assert [j.request_id for j in q] == ["h3", "h4", "l1"]

@@ -44,10 +44,14 @@ class ScriptedMesh:
             req = submits.decode(msg.subject, msg.data)
             self.submits.append(req)
             self.keys[req.request_id] = streamauth.parse_key(req.stream_key)
-            await msg.respond(m.encode(m.Admitted(request_id=req.request_id,
-                                                  decode_worker=DECODE,
-                                                  prefill_worker=PREFILL)))
-            self._own(self.script(self, req.request_id))
+            for c in req.choices:
+                self.keys[c.request_id] = streamauth.parse_key(c.stream_key)
+            await msg.respond(m.encode(m.Admitted(
+                request_id=req.request_id, decode_worker=DECODE, prefill_worker=PREFILL,
+                choices=[m.Placement(request_id=c.request_id, decode_worker=DECODE,
+                                     prefill_worker=PREFILL) for c in req.choices])))
+            for rid in [req.request_id, *(c.request_id for c in req.choices)]:
+                self._own(self.script(self, rid))
 
         async def on_abort(msg) -> None:
             self.aborts.append(aborts.decode(msg.subject, msg.data).request_id)
