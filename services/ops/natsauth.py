@@ -31,13 +31,19 @@ With `--hosts`, also the multi-host NATS cluster's files: a dev CA and server ce
 (clients verify the server against the CA), and a `cluster` block whose routes use mutual
 TLS and a route user and password (a server without them cannot join the cluster and see
 its traffic).
+
+Every file written here is 0600 and the directory 0700, whatever the umask: the compose
+command reads the env files on the host (`env_file:`) as the operator, and the `nats` image,
+which runs as root, reads the NATS configs and the server key. The CA and server
+certificates are public and stay 0644 (services running as uid 10001 read `nats-ca.crt`);
+the CA key is kept apart, in `ca-private/` (`certs.make_certs`). A rerun makes the directory
+and any kept key file private if they were not, saying so on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import sys
 from collections.abc import Iterable, Sequence
@@ -184,17 +190,19 @@ def _env_value(path: Path, var: str) -> str:
 
 
 def write_secrets(out: Path, roles: Iterable[str] = ROLES, hosts: Sequence[str] = (),
-                  tls_dir: str = COMPOSE_SECRETS) -> list[Path]:
+                  tls_dir: str = COMPOSE_SECRETS, note: certs.Note = certs.silent) -> list[Path]:
     """Write a compose secrets directory: `nats.conf`, `nats-<user>.env` per identity, and
     the keys, one file per holder: `signing.env` (admission's Ed25519 signing key),
     `salt.env` (the gateway's cache-salt key), each made when missing and kept when present
     (every host of a stack must share them), and `verify.env` (the workers' verify key),
     always the public key of `signing.env`'s. With `hosts` (multi-host) also a fresh dev CA
     and server certificate (`certs.make_certs`) and `nats-cluster.conf`, which names them
-    as the server sees them in `tls_dir` (compose: /run/secrets). Files are 0644 (the
-    containers run as other uids) except the CA key; keep the directory itself private.
-    Raises SecretsError when a kept key file is malformed (nothing is written then)."""
-    out.mkdir(parents=True, exist_ok=True)
+    as the server sees them in `tls_dir` (compose: /run/secrets). `out` is made 0700 and
+    every file written 0600 whatever the umask (`certs.private_dir`, `certs.write_private`),
+    but for the public certificates (0644); kept key files looser than 0600 are tightened.
+    `note` hears of each tightening. Returns the paths written. Raises SecretsError when a
+    kept key file is malformed (no file is written then)."""
+    certs.private_dir(out, note)
     signing, salt, verify = out / "signing.env", out / "salt.env", out / "verify.env"
     sign_var, salt_var, verify_var = (KEY_FILES[p.name][0] for p in (signing, salt, verify))
     files: dict[Path, str] = {}
@@ -210,19 +218,19 @@ def write_secrets(out: Path, roles: Iterable[str] = ROLES, hosts: Sequence[str] 
     verify_text = f"{verify_var}={tickets.verify_key_of(signing_key)}\n"
     if not verify.exists() or verify.read_text() != verify_text:
         files[verify] = verify_text
+    for kept in (signing, salt, verify):
+        if kept not in files:
+            certs.tighten(kept, certs.SECRET_MODE, note)
     ids = role_identities(roles)
     files[out / "nats.conf"] = server_config(ids.values())
     written = []
     if hosts:
-        written = certs.make_certs(out, hosts)
+        written = certs.make_certs(out, hosts, note=note)
         files[out / "nats-cluster.conf"] = cluster_server_config(
             ids.values(), hosts, secrets.token_urlsafe(24), tls_dir)
     files.update({out / f"nats-{user}.env": env_file(ident) for user, ident in ids.items()})
     for path, text in files.items():
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.chmod(tmp, 0o644)
-        tmp.replace(path)
+        certs.write_private(path, text, certs.SECRET_MODE)
     return sorted([*files, *written])
 
 
@@ -264,13 +272,18 @@ def cluster_server_config(identities: Iterable[Identity], hosts: Sequence[str],
             + cluster_config(hosts, route_password, port, tls_dir=tls_dir))
 
 
+def _say(line: str) -> None:
+    print(f"pdmesh secrets: {line}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pdmesh secrets",
         description="Write NATS credentials (one role-level user per role, per-subject "
                     "permissions) and the mesh's keys (signing.env for admission, verify.env "
                     "for the workers, salt.env for the gateway) into a compose secrets "
-                    "directory.")
+                    "directory: files 0600, the directory 0700 (certificates 0644, the CA "
+                    "key in ca-private/).")
     parser.add_argument("--out", required=True, type=Path,
                         help="secrets directory (e.g. compose/secrets); nats files are "
                              "replaced, existing signing.env and salt.env are kept "
@@ -279,8 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated roles (default: %(default)s)")
     parser.add_argument("--hosts", default="",
                         help="comma-separated addresses of the multi-host NATS nodes: also "
-                             "write a dev CA, the NATS server certificate and "
-                             "nats-cluster.conf (TLS, authenticated routes between them)")
+                             "write a dev CA (its key in ca-private/), the NATS server "
+                             "certificate and nats-cluster.conf (TLS, authenticated routes "
+                             "between them)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     roles = [r for r in args.roles.split(",") if r]
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
@@ -294,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{', '.join(ROLES)}", file=sys.stderr)
         return 2
     try:
-        written = write_secrets(args.out, roles, hosts)
+        written = write_secrets(args.out, roles, hosts, note=_say)
     except (certs.CertError, SecretsError) as exc:
         print(f"pdmesh secrets: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import pytest
 
 from pdmesh.services.ops import certs
 from pdmesh.services.ops.launcher import free_port
+from pdmesh.services.protocol import tickets
 from tests.support.meshproc import NatsServer
 
 
@@ -96,7 +97,8 @@ def test_a_service_with_a_ca_never_talks_to_nats_in_clear(made: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_")}
         env.update(PDMESH_NATS_URL=f"tls://127.0.0.1:{plain.port}",
                    PDMESH_NATS_TLS_CA=str(made / certs.CA_CERT),
-                   PDMESH_NATS_CONNECT_TIMEOUT_S="3", PDMESH_SIGNING_KEY="5a" * 32,
+                   PDMESH_NATS_CONNECT_TIMEOUT_S="3",
+                   PDMESH_SIGNING_KEY=tickets.generate_signing_key(),
                    PDMESH_HTTP_PORT=str(free_port()))
         done = subprocess.run([sys.executable, "-m", "pdmesh.services.ops.cli", "serve",
                                "admission"], env=env, capture_output=True, text=True,

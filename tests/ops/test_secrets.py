@@ -27,7 +27,7 @@ def test_secrets_writes_one_key_file_per_holder(tmp_path: Path) -> None:
         env = _read(tmp_path / name)
         assert list(env) == [var], name  # each file holds its one key and nothing else
         assert tickets.key_problem(env[var]) is None
-        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
         keys[var] = env[var]
     assert keys["PDMESH_VERIFY_KEY"] == tickets.verify_key_of(keys["PDMESH_SIGNING_KEY"])
     assert len(set(keys.values())) == 3
