@@ -17,7 +17,9 @@ only SHA-256 digests: a presented key is hashed and compared in constant time wi
 digest, so the comparison does not tell which or how much of a key matched. A digest may
 belong to one tenant only. `sha256_hex(key)` (or `printf %s KEY | sha256sum`) makes an entry
 of `api_key_sha256s`. Unknown keys are refused (a misspelt limit would otherwise be no
-limit).
+limit). The keys of the bundled dev tenants (`dev_tenants.toml`) are public: a production
+start refuses a file holding any of them, in the clear or as a digest, whatever its path
+(`config.check_dev_credentials`, before the gateway loads the file).
 
 Limits (`TenantLimits`; gateway/README.md has the table): `max_concurrent` requests in flight
 at one gateway (each of `n` choices counts), `kv_share` of the live decode KV the tenant's

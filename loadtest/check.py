@@ -22,6 +22,9 @@ Exit codes:
      that is unreachable from this host or advertised at an address peers cannot use
   2  NATS unreachable, no worker answered, or no prefill / no decode worker answered
 With `--json` the last stdout line is one JSON object (also on exit 1 and 2).
+
+Nothing printed repeats a credential: the NATS URL's password, the `--nats-password` and
+every other secret setting are masked (`services/runtime/redact.py`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import nats
 
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol.errors import PdmeshError
+from pdmesh.services.runtime import redact
 from pdmesh.services.runtime.config import NatsConfig, add_arguments, resolve_nats, settings_of
 from pdmesh.services.runtime.settings import CHECK
 
@@ -308,9 +312,11 @@ def format_report(rows: Sequence[WorkerRow], result: Verdict, *,
 
 def report_json(rows: Sequence[WorkerRow], result: Verdict, *, nats_url: str,
                 listen_s: float, bad_messages: int = 0) -> dict[str, Any]:
+    """The `--json` report; `nats_url` appears with its password masked."""
     return {
         "ok": result.code == EXIT_OK, "exit_code": result.code, "verdict": result.message,
-        "problems": list(result.problems), "nats_url": nats_url, "listen_s": listen_s,
+        "problems": list(result.problems), "nats_url": redact.redact(nats_url),
+        "listen_s": listen_s,
         "counts": {role.value: sum(r.beat.role is role for r in rows) for role in WORKER_ROLES},
         "mismatches": [r.beat.worker_id for r in rows if r.mismatch],
         "unreachable": [r.beat.worker_id for r in rows if r.reach is not None
@@ -439,6 +445,11 @@ async def _ask_stats(nc: Any, row: WorkerRow, timeout_s: float) -> None:
         row.stats_error = f"no stats reply ({type(exc).__name__})"
 
 
+def _say(text: str, stream: Any = None) -> None:
+    """Print `text` (default: to stdout) with every credential masked."""
+    print(redact.redact(text), file=stream or sys.stdout, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pdmesh check",
@@ -463,11 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         nats_cfg = resolve_nats(args)
     except PdmeshError as exc:
-        print(f"pdmesh check: error: {exc}", file=sys.stderr)
+        _say(f"pdmesh check: error: {exc}", sys.stderr)
         return EXIT_UNREACHABLE
     url = nats_cfg.nats_url or DEFAULT_NATS_URL
     if not args.listen_s > 0:
-        print("pdmesh check: error: --listen-s must be > 0", file=sys.stderr)
+        _say("pdmesh check: error: --listen-s must be > 0", sys.stderr)
         return EXIT_UNREACHABLE
     try:
         col = asyncio.run(collect(nats_cfg, args.listen_s, stats=not args.no_stats,
@@ -475,25 +486,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    connect_timeout_s=args.connect_timeout_s,
                                    probe_timeout_s=args.probe_timeout_s))
     except Unreachable as exc:
-        print(f"pdmesh check: error: {exc}", file=sys.stderr)
+        _say(f"pdmesh check: error: {exc}", sys.stderr)
         if args.json:
             result = Verdict(EXIT_UNREACHABLE, str(exc))
-            print(json.dumps(report_json([], result, nats_url=url, listen_s=args.listen_s)))
+            _say(json.dumps(report_json([], result, nats_url=url, listen_s=args.listen_s)))
         return EXIT_UNREACHABLE
     except KeyboardInterrupt:
         return 130
     rows = col.sorted_rows()
     result = verdict(rows)
-    print(format_report(rows, result, with_stats=not args.no_stats), flush=True)
+    _say(format_report(rows, result, with_stats=not args.no_stats))
     if col.bad_messages:
-        print(f"pdmesh check: {col.bad_messages} undecodable message(s) on "
-              f"{m.HEARTBEAT_WILDCARD} ignored", file=sys.stderr)
+        _say(f"pdmesh check: {col.bad_messages} undecodable message(s) on "
+             f"{m.HEARTBEAT_WILDCARD} ignored", sys.stderr)
     if result.code == EXIT_UNREACHABLE:
-        print(f"pdmesh check: error: {result.message} on {url} within {args.listen_s:g}s",
-              file=sys.stderr)
+        _say(f"pdmesh check: error: {result.message} on {url} within {args.listen_s:g}s",
+             sys.stderr)
     if args.json:
-        print(json.dumps(report_json(rows, result, nats_url=url, listen_s=args.listen_s,
-                                     bad_messages=col.bad_messages)))
+        _say(json.dumps(report_json(rows, result, nats_url=url, listen_s=args.listen_s,
+                                    bad_messages=col.bad_messages)))
     return result.code
 
 

@@ -10,7 +10,10 @@ single-process reference engine's output for its prompt (partial replies: a pref
 and no reply may carry another tenant's marker.
 
 Prints and saves (JSON in --output-dir) requests served, rejected, aborted, failed, faults
-injected and how each ended, and oracle mismatches.
+injected and how each ended, and oracle mismatches. The results file is readable by its
+owner only (0600) and holds no credential: of the API keys only their number and the first
+8 hex characters of each key's SHA-256, URLs without their passwords, and every string
+masked by `services/runtime/redact.py` (the keys are registered with it).
 
 Exit status: 0 ok; 1 a correctness failure (oracle mismatch, marker leak, over-capacity
 prompt not refused with 400, valid prompt refused); 2 bad arguments or target unreachable;
@@ -23,7 +26,9 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -49,7 +54,7 @@ from pdmesh.loadtest.client import (
     exchange,
     model_info,
 )
-from pdmesh.loadtest.report import format_block, format_row, write_json
+from pdmesh.loadtest.report import format_block, format_row
 from pdmesh.loadtest.soak.pool import check_pools
 from pdmesh.loadtest.soak.verdict import Tally, judge
 from pdmesh.loadtest.soak.workload import (
@@ -62,6 +67,7 @@ from pdmesh.loadtest.soak.workload import (
 from pdmesh.services.engine.oracle import Expected, Oracle
 from pdmesh.services.faults import ALL as FAULT_NAMES
 from pdmesh.services.faults import FAULT_HEADER
+from pdmesh.services.runtime import redact
 
 DEV_KEYS = "sk-dev-alice,sk-dev-bob,sk-dev-carol"
 NAME_WIDTH = 46  # the summary's first column
@@ -277,15 +283,61 @@ def format_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+# -- the results file ------------------------------------------------------------------------
+KEY_DIGEST_CHARS = 8  # what the results keep of each API key: its SHA-256's first hex chars
+
+
+def key_digests(keys: list[str]) -> list[str]:
+    """The first KEY_DIGEST_CHARS hex characters of each key's SHA-256."""
+    return [hashlib.sha256(k.encode()).hexdigest()[:KEY_DIGEST_CHARS] for k in keys]
+
+
+def public_config(args: argparse.Namespace) -> dict:
+    """The run's arguments as the results file keeps them: `api_keys` becomes the number of
+    keys and their digests' prefixes; the rest as given (`scrub` masks URL passwords)."""
+    out = dict(vars(args))
+    keys = split_list(args.api_keys)
+    out["api_keys"] = {"count": len(keys), "sha256_prefixes": key_digests(keys)}
+    return out
+
+
+def scrub(value: object) -> object:
+    """`value` (JSON data) with every string, keys included, passed through `redact`."""
+    if isinstance(value, str):
+        return redact.redact(value)
+    if isinstance(value, dict):
+        return {scrub(k): scrub(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub(v) for v in value]
+    return value
+
+
+def write_results(path: Path, payload: object) -> None:
+    """Write `payload` as JSON, scrubbed, readable by its owner only (0600 whatever the
+    umask), atomically (tmp + rename): an interrupted run never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # whoever made it chose its mode; this one is made here
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(json.dumps(scrub(payload), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
 async def _amain(args: argparse.Namespace) -> int:
     keys = split_list(args.api_keys)
     if not keys:
         print("pdmesh soak: --api-keys is empty", file=sys.stderr)
         return EXIT_USAGE
+    for key in keys:  # no output of this run repeats one
+        redact.register(key)
     try:
         info = await model_info(args.base_url, keys[0])
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        print(f"pdmesh soak: GET {args.base_url}/models failed: {exc}", file=sys.stderr)
+        print(redact.redact(f"pdmesh soak: GET {args.base_url}/models failed: {exc}"),
+              file=sys.stderr)
         return EXIT_USAGE
     model = args.model or str(info.get("id") or args.oracle_model)
     context_length = args.context_length or context_length_of(info)
@@ -308,9 +360,10 @@ async def _amain(args: argparse.Namespace) -> int:
     install_stop_handlers(stop)
     soak = Soak(args, workload, oracle, model, stop)
     if not args.quiet:
-        print(f"soak: {args.base_url} model {model} context {context_length}, "
-              f"{len(workload.tenants)} tenants, concurrency {args.concurrency}, "
-              f"{args.duration:g}s", file=sys.stderr, flush=True)
+        print(redact.redact(f"soak: {args.base_url} model {model} context {context_length}, "
+                            f"{len(workload.tenants)} tenants, concurrency "
+                            f"{args.concurrency}, {args.duration:g}s"),
+              file=sys.stderr, flush=True)
     try:
         elapsed = await soak.run()
     finally:
@@ -321,7 +374,8 @@ async def _amain(args: argparse.Namespace) -> int:
     if args.nats_url and soak.stopped_by != "signal":
         pool = await check_pools(args.nats_url, args.pool_settle)
         if pool["error"]:
-            print(f"pdmesh soak: pool check skipped: {pool['error']}", file=sys.stderr)
+            print(redact.redact(f"pdmesh soak: pool check skipped: {pool['error']}"),
+                  file=sys.stderr)
         for key in ("leaked_leases", "integrity_failures"):
             if pool.get(key):
                 summary["failures"].append(f"{key}={pool[key]}")
@@ -339,12 +393,12 @@ async def _amain(args: argparse.Namespace) -> int:
         "tenants": {t.name: t.marker_id for t in workload.tenants},
         "oracle_computed": oracle.computed, "oracle_cache_hits": oracle.cache_hits,
         **summary,
-        "config": {k: v for k, v in vars(args).items()},
+        "config": public_config(args),
         "workload": {k: v for k, v in asdict(workload).items() if k != "tenants"},
     }
-    print(format_summary(result))
+    print(redact.redact(format_summary(result)))
     out = Path(args.output_dir) / f"{args.label or 'soak-' + date}.json"
-    write_json(out, result)
+    write_results(out, result)
     print(f"soak: results saved to {out}", file=sys.stderr)
     if soak.stopped_by == "signal":
         return EXIT_INTERRUPTED

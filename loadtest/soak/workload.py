@@ -48,10 +48,18 @@ class Tenant:
         return f"<<CANARY:{self.name}:{self.marker_id}#{prompt_index}>>"
 
 
+DEV_KEY_PREFIX = "sk-dev-"  # the bundled dev tenants' keys: `sk-dev-<name>`
+
+
 def tenant_name(api_key: str, index: int) -> str:
-    """`sk-dev-alice` -> `alice`; anything unusual -> `t<index>`."""
-    tail = api_key.rsplit("-", 1)[-1]
-    return tail if tail.isalnum() and 0 < len(tail) <= 24 else f"t{index}"
+    """`sk-dev-alice` (a development key, whose name is public) -> `alice`; any other key
+    -> `t<index>`, so that no part of a key is written where its tenant is named (results,
+    canary markers)."""
+    tail = api_key.removeprefix(DEV_KEY_PREFIX)
+    if (api_key.startswith(DEV_KEY_PREFIX) and tail.isascii() and tail.isalpha()
+            and tail.islower() and len(tail) <= 24):
+        return tail
+    return f"t{index}"
 
 
 def make_tenants(api_keys: list[str], seed: int) -> list[Tenant]:

@@ -1,6 +1,10 @@
-"""The `pdmesh` command: `up`, `serve <service>`, `check`, `bench <what>`, `loadtest`.
+"""The `pdmesh` command: `up`, `serve <service>`, `check`, `bench <what>`, `loadtest`,
+`soak`, `secrets`, `certs`.
 
-Every failure to start is one clear line on stderr and a non-zero exit, never a traceback.
+Every failure to start is one clear line on stderr and a non-zero exit, never a traceback,
+and like every log line it passes through `redact` (no URL password, bearer token or
+secret setting's value is printed). Each service logs at start whether it runs in
+production mode or with dev credentials allowed.
 The settings flags come from services/runtime/settings.py: `pdmesh serve <role>` offers
 the role's own, `pdmesh up` the rows marked `up`, each role of the mesh handed its share.
 """
@@ -16,6 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from pdmesh.services.protocol.errors import PdmeshError
+from pdmesh.services.runtime import redact
 from pdmesh.services.runtime.config import (
     ALLOW_DEV_ENV,
     ArgumentParser,
@@ -24,6 +29,8 @@ from pdmesh.services.runtime.config import (
     check_dev_credentials,
     dev_credentials,
     env_value,
+    in_env,
+    mode_line,
     resolve,
     serve_settings,
     up_settings,
@@ -53,6 +60,7 @@ BENCH = {
     "admission": "pdmesh.loadtest.bench.admission",
     "prefix-cache": "pdmesh.loadtest.bench.prefix",
     "disagg": "pdmesh.loadtest.bench.disagg",
+    "fairness": "pdmesh.loadtest.bench.fairness",
 }
 PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak.run",
                "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.ops.natsauth",
@@ -62,7 +70,7 @@ UP_OWN = ("nats_url", "gateway_port")
 
 
 def _fail(msg: str, code: int = 2) -> int:
-    print(f"pdmesh: error: {msg}", file=sys.stderr)
+    print(f"pdmesh: error: {redact.redact(msg)}", file=sys.stderr)
     return code
 
 
@@ -70,18 +78,21 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    redact.install()
 
 
 def cmd_serve(role: str, argv: Sequence[str]) -> int:
     parser = ArgumentParser(prog=f"pdmesh serve {role}")
     add_arguments(parser, serve_settings(role))
     args = parser.parse_args(argv)
+    allowed = _allow_dev(args)
     try:
         cfg = resolve(role, args)
-        check_dev_credentials(cfg, _allow_dev(args))
+        check_dev_credentials(cfg, allowed)
     except PdmeshError as exc:
         return _fail(str(exc))
     _setup_logging(cfg.log_level)
+    logging.getLogger("pdmesh").info("%s: %s", role, mode_line(allowed))
     for what in dev_credentials(cfg):
         logging.getLogger("pdmesh").warning("%s runs with %s: development only", role, what)
     try:
@@ -113,7 +124,7 @@ def up_configs(args: object, colocated: bool,
     flags = {s.field: getattr(args, s.field) for s in up_settings() if s.roles}
     for field, fresh in (("signing_key", tickets.generate_signing_key),
                          ("salt_key", lambda: secrets.token_hex(32))):
-        if flags.get(field) is None and not env.get(BY_FIELD[field].env):
+        if flags.get(field) is None and not in_env(field, env):
             flags[field] = fresh()
     cfgs: dict[str, ServiceConfig] = {}
     for role in roles:  # admission first: the workers' verify key is its signing key's
@@ -186,9 +197,12 @@ def _dispatch(table: dict[str, str], what: str, argv: Sequence[str]) -> int:
     return int(module.main(list(argv)) or 0)
 
 
+HELP = ("-h", "--help")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: pdmesh {up,serve,check,bench,loadtest,soak} ...\n"
+    usage = ("usage: pdmesh {up,serve,check,bench,loadtest,soak,secrets,certs} ...\n"
              "  up                      run the whole mesh locally (see pdmesh up --help)\n"
              "  serve <service>         run one service: " + ", ".join(SERVE) + "\n"
              "  check                   print each worker's configured context vs real pool\n"
@@ -197,17 +211,26 @@ def main(argv: Sequence[str] | None = None) -> int:
              "  soak                    canary workload with oracle checks\n"
              "  secrets --out DIR       NATS credentials + the mesh's keys for compose stacks\n"
              "  certs --out DIR --hosts  dev CA + NATS TLS certificates (multi-host)\n")
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in HELP:
         print(usage)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
         return cmd_up(rest)
     if cmd == "serve":
+        if rest[:1] and rest[0] in HELP:
+            print(f"usage: pdmesh serve {{{','.join(SERVE)}}} [flags]\n"
+                  "  run one service; pdmesh serve <service> --help lists its flags")
+            return 0
         if not rest or rest[0] not in SERVE:
             return _fail(f"pdmesh serve needs one of: {', '.join(SERVE)}")
         return cmd_serve(rest[0], rest[1:])
     if cmd == "bench":
+        if rest[:1] and rest[0] in HELP:
+            print(f"usage: pdmesh bench {{{','.join(BENCH)}}} [flags]\n"
+                  "  benchmarks (figures, never pass/fail); pdmesh bench <what> --help lists "
+                  "its flags")
+            return 0
         if not rest or rest[0] not in BENCH:
             return _fail(f"pdmesh bench needs one of: {', '.join(BENCH)}")
         return _dispatch(BENCH, rest[0], rest[1:])

@@ -15,19 +15,34 @@ Classes: `NatsConfig` (the NATS rows; also what `pdmesh check` takes) < `Service
 (every role) < `AdmissionConfig`, `GatewayConfig`, `WorkerConfig` < `PrefillConfig`,
 `DecodeConfig` < `ColocatedConfig` (a colocated worker runs the decode service, so it takes
 every decode setting). Derived values are properties of hand-written bases.
+
+Secrets from files: a setting marked `secret` in settings.py may also be given as a file,
+its env var with `_FILE` appended naming it (as Docker and compose secrets do); the file's
+content, less one trailing newline, is the value. Setting both the env var and its `_FILE`
+is refused, naming both; a flag still comes first. Every secret value resolved, and the
+password of every NATS URL, is registered with `redact.register`, so no log line or error
+text repeats it.
+
+Production mode (`check_dev_credentials` without --allow-dev-credentials) refuses the
+built-in dev keys, the bundled dev API keys wherever a tenants file holds them (compared by
+SHA-256 digest), and keys that are a pattern rather than random bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import itertools
 import os
 import socket
+import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 from pdmesh.kvstore.spec import pages_for
 from pdmesh.services.protocol.errors import ConfigError
+from pdmesh.services.runtime.redact import register, register_url
 from pdmesh.services.runtime.settings import (
     ADMISSION,
     BY_FIELD,
@@ -54,14 +69,15 @@ from pdmesh.services.runtime.settings import (
     up_settings,
 )
 
-__all__ = ["ALLOW_DEV_ENV", "CONFIGS", "DEFAULT_HTTP_PORTS", "DEV_SALT_KEY",
-           "DEV_SIGNING_KEY", "DEV_VERIFY_KEY", "DEV_VALUES", "MISMATCH_POLICIES", "ROLES",
-           "SCRUB_POLICIES", "SETTINGS", "TRANSPORTS", "WORKERS",
+__all__ = ["ALLOW_DEV_ENV", "CONFIGS", "DEFAULT_HTTP_PORTS", "DEV_API_KEY_SHA256S",
+           "DEV_SALT_KEY", "DEV_SIGNING_KEY", "DEV_VERIFY_KEY", "DEV_VALUES", "FILE_SUFFIX",
+           "MISMATCH_POLICIES", "ROLES", "SCRUB_POLICIES", "SETTINGS", "TRANSPORTS", "WORKERS",
            "AdmissionConfig", "ArgumentParser", "ColocatedConfig", "DecodeConfig",
            "GatewayConfig", "NatsConfig", "PrefillConfig", "ServiceConfig", "Setting",
            "WorkerConfig", "add_arguments", "check_dev_credentials", "dev_credentials",
-           "env_value", "markdown_table", "replace", "resolve", "resolve_nats", "serve_settings",
-           "settings_of", "up_settings"]
+           "env_value", "file_env", "in_env", "key_weakness", "markdown_table", "mode_line",
+           "replace", "resolve", "resolve_nats", "serve_settings", "settings_of",
+           "tenants_with_dev_keys", "up_settings"]
 
 
 # -- derived values: properties over the generated fields ------------------------------------
@@ -172,7 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser, settings: Iterable[Setting]) 
             parser.add_argument(s.flag, dest=s.field, action="store_true", default=None,
                                 help=f"{s.help} [{s.env}=1]")
         else:
-            parser.add_argument(s.flag, dest=s.field, default=None, help=f"{s.help} [{s.env}]")
+            env = f"{s.env} or {file_env(s)}: a file holding it" if s.secret else s.env
+            parser.add_argument(s.flag, dest=s.field, default=None, help=f"{s.help} [{env}]")
 
 
 def _error(s: Setting, value: Any, problem: str, source: str | None = None) -> ConfigError:
@@ -199,23 +216,74 @@ def _coerce(s: Setting, raw: Any, source: str) -> Any:
     return value
 
 
+# A secret setting's env var with this appended names a file holding its value.
+FILE_SUFFIX = "_FILE"
+
+
+def file_env(s: Setting) -> str | None:
+    """The env var naming a file that holds `s`'s value (None: `s` is not secret)."""
+    return s.env + FILE_SUFFIX if s.secret else None
+
+
+def in_env(field: str, env: Mapping[str, str]) -> bool:
+    """Whether `env` gives the setting `field`, by its env var or (secret settings) its
+    file's env var."""
+    s = BY_FIELD[field]
+    name = file_env(s)
+    return env.get(s.env, "") != "" or (name is not None and env.get(name, "") != "")
+
+
+def _read_secret_file(s: Setting, name: str, path: str) -> str:
+    """The content of the file `name` points at, less one trailing newline."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(s.field, "(hidden)",
+                          f"{name}={path}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(s.field, "(hidden)", f"{name}={path}: not UTF-8 text") from None
+    text = text.removesuffix("\n").removesuffix("\r")
+    if text == "":
+        raise ConfigError(s.field, "(hidden)", f"{name}={path}: the file is empty")
+    return text
+
+
 def _value(s: Setting, given: Any, env: Mapping[str, str]) -> tuple[Any, str | None]:
-    """A setting's value by precedence (flag, env var, default) and the flag or env var it
-    came from (None: the default)."""
+    """A setting's value by precedence (flag, env var or the file its `_FILE` env var
+    names, default) and the flag or env var it came from (None: the default)."""
     if given is not None:
         return _coerce(s, given, s.flag or s.field), s.flag
     raw = env.get(s.env, "")
+    name = file_env(s)
+    path = env.get(name, "") if name is not None else ""
+    if name is not None and path != "":
+        if raw != "":
+            raise ConfigError(s.field, "(hidden)", f"{s.env} and {name} are both set; give "
+                              "one of them")
+        return _coerce(s, _read_secret_file(s, name, path), name), name
     if raw != "":
         return _coerce(s, raw, s.env), s.env
     return s.default, None
 
 
+def _register_secrets(settings: Iterable[Setting], values: Mapping[str, Any]) -> None:
+    """Register every secret value, and the password of each NATS URL, to be redacted."""
+    for s in settings:
+        if s.secret and isinstance(values.get(s.field), str):
+            register(values[s.field])
+    if "nats_url" in values:
+        for url in split_urls(values["nats_url"]):
+            register_url(url)
+
+
 def env_value(field: str, env: Mapping[str, str] | None = None) -> Any:
     """A process-level setting (one no config carries) read from the environment alone."""
     s = BY_FIELD[field]
-    value, _ = _value(s, None, os.environ if env is None else env)
+    value, source = _value(s, None, os.environ if env is None else env)
     if s.check is not None and (problem := s.check(value)):
-        raise _error(s, value, problem, s.env)
+        raise _error(s, value, problem, source or s.env)
+    _register_secrets((s,), {field: value})
     return value
 
 
@@ -254,6 +322,7 @@ def _build(role: str, args: argparse.Namespace | Mapping[str, Any] | None,
     for s in own:
         values[s.field], sources[s.field] = _value(s, given.get(s.field), env)
     derived = _role_defaults(role, values)
+    _register_secrets(own, values)  # before any check: no error text repeats them
     # What a derived value came from is checked first: a bad --gateway-port is named as such.
     for s in sorted(own, key=lambda s: s.field in derived):
         problem = s.check(values[s.field]) if s.check is not None else None
@@ -289,21 +358,87 @@ def _faults_need_permission(cfg: Any, env: Mapping[str, str]) -> None:
 # The built-in dev value of each credential setting, by field.
 DEV_VALUES = dict(zip(KEY_FIELDS, (DEV_SIGNING_KEY, DEV_VERIFY_KEY, DEV_SALT_KEY),
                       strict=True))
+# SHA-256 (hex) of each API key of the bundled dev tenants (gateway/dev_tenants.toml; a test
+# holds the two to each other): a tenants file holding one of them holds a public key.
+DEV_API_KEY_SHA256S = frozenset({
+    "c654d38ddccf90ce8e80f52254753cb6b19682349d920e558059f7be2a89c6d3",  # sk-dev-alice
+    "f9f237d25bb4e9595bb5fd0899929eb4d46acfc566db330e35f9e9e0c650dd6c",  # sk-dev-bob
+    "bbf5ff7d563402beb8bfda84692942230db73591cd5cda35b96cc4b6377eabf0",  # sk-dev-carol
+})
+# A random 32-byte key has about 30 distinct byte values, and as many distinct steps from one
+# byte to the next; a key with fewer than this many of either is a pattern, not a secret.
+MIN_DISTINCT_BYTES = 16
+KEY_BYTES = 32
+
+
+def key_weakness(value: str) -> str | None:
+    """What makes the hex key `value` unfit for production (None: nothing): under 32
+    bytes, or a pattern (one byte repeated, a few bytes cycling, a counting sequence)."""
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        return None  # not hex: the setting's own check says so
+    if len(raw) < KEY_BYTES:
+        return f"{len(raw)} bytes, under {KEY_BYTES}"
+    distinct = len(set(raw))
+    steps = len({(b - a) % 256 for a, b in itertools.pairwise(raw)})
+    if min(distinct, steps) < MIN_DISTINCT_BYTES:
+        return (f"a pattern, not random bytes ({distinct} distinct byte values, {steps} "
+                f"distinct steps; a random key has about 30)")
+    return None
+
+
+def tenants_with_dev_keys(path: str) -> list[str]:
+    """The ids of the tenants in the tenants file `path` that hold a bundled dev API key, in
+    the clear (`api_keys`) or as a digest (`api_key_sha256s`). A file that cannot be read or
+    parsed holds none here: the gateway refuses it at start, saying why."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return []
+    entries = data.get("tenant")
+    found = []
+    for i, entry in enumerate(entries if isinstance(entries, list) else ()):
+        if not isinstance(entry, dict):
+            continue
+        plain, hashed = entry.get("api_keys", []), entry.get("api_key_sha256s", [])
+        digests = {hashlib.sha256(k.encode()).hexdigest()
+                   for k in (plain if isinstance(plain, list) else ()) if isinstance(k, str)}
+        digests |= {h.lower() for h in (hashed if isinstance(hashed, list) else ())
+                    if isinstance(h, str)}
+        if digests & DEV_API_KEY_SHA256S:
+            found.append(str(entry.get("id") or f"#{i + 1}"))
+    return found
 
 
 def _dev_findings(cfg: ServiceConfig) -> list[tuple[str, str]]:
-    """(field, what) for each built-in development credential `cfg` holds."""
-    found = [(f, f"the built-in dev {f.replace('_', ' ')} (set {BY_FIELD[f].env})")
-             for f, dev in DEV_VALUES.items() if getattr(cfg, f, None) == dev]
+    """(field, what) for each development credential `cfg` holds: a built-in dev key, a key
+    that is a pattern, the bundled dev tenants, or a tenants file holding their keys."""
+    found = []
+    for f, dev in DEV_VALUES.items():
+        value = getattr(cfg, f, None)
+        if value is None:
+            continue
+        if value.lower() == dev:  # by value: the same key in capitals is the same key
+            found.append((f, f"the built-in dev {f.replace('_', ' ')} (set {BY_FIELD[f].env})"))
+        elif weakness := key_weakness(value):
+            found.append((f, f"a weak {f.replace('_', ' ')}: {weakness} (set "
+                          f"{BY_FIELD[f].env} to 32 random bytes; `pdmesh secrets` makes "
+                          "them)"))
     if cfg.role == GATEWAY and not cfg.tenants_file:
         found.append(("tenants_file",
                       "the bundled dev tenants and API keys (set PDMESH_TENANTS_FILE)"))
+    elif cfg.role == GATEWAY and (holders := tenants_with_dev_keys(cfg.tenants_file)):
+        found.append(("tenants_file",
+                      f"the bundled dev API keys in {cfg.tenants_file} (tenant "
+                      f"{', '.join(holders)}; give every tenant keys of its own)"))
     return found
 
 
 def dev_credentials(cfg: ServiceConfig) -> list[str]:
-    """The built-in development credentials this service would run with (empty: none).
-    A production start refuses them; `pdmesh up` (`make up`) allows them and says so."""
+    """The development credentials this service would run with (empty: none). A
+    production start refuses them; `pdmesh up` (`make up`) allows them and says so."""
     return [what for _, what in _dev_findings(cfg)]
 
 
@@ -311,10 +446,17 @@ def check_dev_credentials(cfg: ServiceConfig, allowed: bool) -> None:
     """Raise ConfigError when `cfg` uses dev credentials and they are not allowed."""
     found = _dev_findings(cfg)
     if found and not allowed:  # guard: dev-credentials
-        raise ConfigError(found[0][0], "(built-in default)",
+        field = found[0][0]
+        raise ConfigError(field, "(hidden)" if field in KEY_FIELDS
+                          else cfg.tenants_file or "(bundled)",
                           f"{cfg.role} would run with {' and '.join(w for _, w in found)}; "
                           f"pass --allow-dev-credentials or {ALLOW_DEV_ENV}=1 for local "
                           "development")
+
+
+def mode_line(allowed: bool) -> str:
+    """The line each service logs at start: which mode it runs in."""
+    return "development mode: dev credentials allowed" if allowed else "production mode"
 
 
 def replace(cfg: NatsConfig, **changes: Any) -> NatsConfig:

@@ -57,7 +57,7 @@ def test_tenants_have_distinct_names_and_marker_ids():
     assert len({t.marker_id for t in TENANTS}) == 3
     assert make_tenants(KEYS, 0) == list(TENANTS)  # deterministic
     assert make_tenants(KEYS, 1)[0].marker_id != ALICE.marker_id
-    assert [t.name for t in make_tenants(["k", "k"], 0)] == ["k", "k1"]
+    assert [t.name for t in make_tenants(["sk-dev-k", "sk-dev-k"], 0)] == ["k", "k1"]
 
 
 def test_prompts_carry_their_tenants_marker_and_fit_the_context():

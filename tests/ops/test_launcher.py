@@ -8,6 +8,7 @@ import secrets
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_port_in_use_is_one_clear_line() -> None:
         _one_clear_line(_run("serve", "admission", env=env), str(port))
 
 
-def test_dev_credentials_are_refused_unless_allowed() -> None:
+def test_dev_credentials_are_refused_unless_allowed(tmp_path: Path) -> None:
     """A production start never runs on a built-in dev key or the bundled dev API keys by
     accident: one clear line, nothing started; `make up` passes --allow-dev-credentials."""
     env = {k: v for k, v in mesh_env().items() if k != "PDMESH_ALLOW_DEV_CREDENTIALS"
@@ -126,7 +127,8 @@ def test_dev_credentials_are_refused_unless_allowed() -> None:
                     "--allow-dev-credentials")
     _one_clear_line(_run("serve", "admission", env=env), "dev signing key",
                     "--allow-dev-credentials")
-    tenants = REPO / "gateway" / "dev_tenants.toml"
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[[tenant]]\nid = "acme"\napi_keys = ["sk-{secrets.token_hex(16)}"]\n')
     salt = {"PDMESH_SALT_KEY": secrets.token_hex(32)}
     _one_clear_line(_run("serve", "gateway", env={**env, **salt}), "dev tenants")
     _one_clear_line(_run("serve", "gateway", env={**env, "PDMESH_TENANTS_FILE": str(tenants)}),
@@ -134,6 +136,10 @@ def test_dev_credentials_are_refused_unless_allowed() -> None:
     # `pdmesh up` makes fresh keys, so the bundled tenants are what it refuses.
     _one_clear_line(_run("up", "--model", "tiny", env=env), "dev tenants",
                     "--allow-dev-credentials")
+    # A copy of the dev tenants file holds the dev API keys: refused whatever its path.
+    _one_clear_line(_run("serve", "gateway", env={
+        **env, **salt, "PDMESH_TENANTS_FILE": str(REPO / "gateway" / "dev_tenants.toml")}),
+        "dev API keys", "--allow-dev-credentials")
     # Real credentials pass the gate (this start then fails on purpose: no NATS there).
     proc = _run("serve", "gateway", "--nats-url", "nats://127.0.0.1:1", env={
         **env, **salt, "PDMESH_TENANTS_FILE": str(tenants),

@@ -32,7 +32,9 @@ LONGEST = 16000  # tokens: 32 chunks, for an abort to land mid-prefill
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[Mesh]:
-    with run_mesh("--kv-tokens", "16384",
+    # 32k: the long prompt stays within the dev tenant's kv_share (half the decode KV), so
+    # the same tenant's short prompt is admitted beside it.
+    with run_mesh("--kv-tokens", "32768",
                   env=mesh_env(PDMESH_PREFILL_STALL_S=str(STALL_S))) as mesh:
         yield mesh
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import secrets
 
 import pytest
 
@@ -30,7 +31,8 @@ HOLDS = {"admission": {"signing_key"}, "prefill": {"verify_key"}, "decode": {"ve
          "colocated": {"verify_key"}, "gateway": {"salt_key"}}
 REAL = {"PDMESH_SIGNING_KEY": tickets.generate_signing_key(),
         "PDMESH_VERIFY_KEY": tickets.verify_key_of(tickets.generate_signing_key()),
-        "PDMESH_SALT_KEY": "ab" * 32, "PDMESH_TENANTS_FILE": "/etc/pdmesh/tenants.toml"}
+        "PDMESH_SALT_KEY": secrets.token_hex(32),
+        "PDMESH_TENANTS_FILE": "/etc/pdmesh/tenants.toml"}
 
 
 @pytest.mark.parametrize("role", ROLES)

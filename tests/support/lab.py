@@ -264,8 +264,10 @@ class Lab:
         if role == "gateway":
             env["PDMESH_GATEWAY_PORT"] = str(http_port)
             # control.yml mounts the tenants secret there; the lab's is the dev key file
-            # (the test clients use its keys), given explicitly as a production start needs.
+            # (the test clients use its keys), which only a start allowing dev credentials
+            # accepts (its mesh keys are still the lab's own, from role_keys).
             env["PDMESH_TENANTS_FILE"] = str(REPO / "gateway" / "dev_tenants.toml")
+            env["PDMESH_ALLOW_DEV_CREDENTIALS"] = "1"
         if self.transport == "ucx":
             env["UCX_TLS"] = "tcp"
         env.update(extra)
