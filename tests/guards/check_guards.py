@@ -594,7 +594,9 @@ MUTATIONS = [
              ("tests/admission/test_registry.py",)),
     Mutation("dev-credentials", "a production start refuses the dev keys and dev tenants",
              (Condition("dev-credentials", "False"),),
-             ("tests/ops/test_launcher.py::test_dev_credentials_are_refused_unless_allowed",)),
+             ("tests/ops/test_launcher.py::test_dev_credentials_are_refused_unless_allowed",
+              "tests/gateway/test_dev_keys.py::"
+              "test_a_copy_of_the_dev_tenants_file_is_refused_without_allow")),
     Mutation("gateway-context", "an over-context prompt is refused before any control "
              "message (no submit over NATS's max payload)",
              (Replace("gateway-context", "over = None"),),
