@@ -86,6 +86,9 @@ def _lab_service(spec: ServiceSpec, specs: list[ServiceSpec]) -> dict[str, Any]:
         env["PDMESH_DATA_HOST"] = "0.0.0.0"
     if spec.role == "gateway":
         env["PDMESH_TENANTS_FILE"] = TENANTS_PATH
+        # Metrics (per tenant) on a port of their own, reachable inside the stack's network
+        # only (Prometheus): `expose`, never `ports`.
+        env["PDMESH_METRICS_HOST"] = "0.0.0.0"
     env.update(spec.env)
     service: dict[str, Any] = {
         "image": IMAGE,
@@ -100,6 +103,7 @@ def _lab_service(spec: ServiceSpec, specs: list[ServiceSpec]) -> dict[str, Any]:
     if spec.role == "gateway":
         service["secrets"] = [{"source": "tenants", "target": "tenants.toml"}]
         service["ports"] = [f"${{PDMESH_GATEWAY_PUBLISH:-8000}}:{spec.http_port}"]
+        service["expose"] = [str(spec.metrics_port)]
     service.update(
         healthcheck=_ready_check(spec.http_port, ci=False),
         depends_on=_depends_on(spec, specs),

@@ -31,7 +31,7 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.services.runtime.config import GatewayConfig
 
 # Request key: the SSE headers are out. aiohttp >= 3.14 has typed request keys and warns on
-# plain strings; older releases (pyproject allows >= 3.9) have neither.
+# plain strings; older releases have neither.
 STREAM_STARTED: Any = (web.RequestKey("pdmesh.stream_started", bool)
                        if hasattr(web, "RequestKey") else "pdmesh.stream_started")
 TokenLogprobs = tuple[float, list[tuple[int, float]]]  # one TokenEvent.logprobs entry

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", type=api_base, default="http://127.0.0.1:8000/v1",
                    help=BASE_URL_HELP)
+    p.add_argument("--metrics-url", default="",
+                   help="a pdmesh gateway's /metrics, for the TTFT by phase (default: the "
+                        "--base-url host, port + 100, where `pdmesh up` serves them)")
     p.add_argument("--api-key", default=None,
                    help="default: $PDMESH_API_KEY, then $OPENAI_API_KEY")
     p.add_argument("--api-keys", default=None, help="comma-separated keys, one per tenant")
@@ -119,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-api-keys", default=None, help="default: the same keys")
     p.add_argument("--compare-model", default=None, help="default: the same model")
     p.add_argument("--compare-label", default="colocated")
+    p.add_argument("--compare-metrics-url", default="",
+                   help="the compared server's /metrics (default: as --metrics-url)")
     progress = p.add_mutually_exclusive_group()
     progress.add_argument("--progress", action="store_true", default=None)
     progress.add_argument("--no-progress", action="store_false", dest="progress")
@@ -191,7 +196,7 @@ async def run(args: argparse.Namespace) -> int:
     default_key = args.api_key or env_value("api_key") or os.environ.get("OPENAI_API_KEY")
     keys = _keys(args.api_keys, default_key)
     primary = Target(args.label or ("mesh" if args.compare_base_url else "target"),
-                     args.base_url, keys, args.model)
+                     args.base_url, keys, args.model, args.metrics_url)
     info = await discover(primary) if not (args.model and args.context_length) else {}
     model = args.model or info.get("id")
     if not model:
@@ -216,7 +221,7 @@ async def run(args: argparse.Namespace) -> int:
     if args.compare_base_url and not stop.is_set():
         other = Target(args.compare_label, args.compare_base_url,
                        _keys(args.compare_api_keys, None) if args.compare_api_keys else keys,
-                       args.compare_model or model)
+                       args.compare_model or model, args.compare_metrics_url)
         targets.append(other)
         runs[other.label] = await run_target(args, other, other.model or model, spec,
                                              requests, stop, show_progress)

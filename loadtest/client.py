@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from pdmesh.loadtest.workload import RequestSpec
+from pdmesh.services.ops.topology import metrics_port_for
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
 
@@ -364,9 +366,20 @@ def api_base(url: str) -> str:
 
 
 def server_root(url: str) -> str:
-    """The server's root (where /tokenize, /health and /metrics live)."""
+    """The server's root (where /tokenize and /health live)."""
     url = url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def default_metrics_url(url: str) -> str:
+    """Where a pdmesh gateway at `url` serves /metrics by convention: its host, its port
+    + 100 (`pdmesh up` and compose put it there; services/ops/topology.py). The API port
+    itself never serves them."""
+    parts = urllib.parse.urlsplit(server_root(url))
+    port = metrics_port_for(parts.port or (443 if parts.scheme == "https" else 80))
+    host = parts.hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme or 'http'}://{host}:{port}/metrics"
 
 
 def context_length_of(model_info: dict) -> int | None:

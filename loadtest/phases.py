@@ -7,6 +7,9 @@ run scrapes /metrics before and after; the difference of each histogram's sum an
 gives the mean of that phase over the run's requests, set against the mean TTFT the gateway
 saw. What the phases do not cover (HTTP, tokenizing, NATS hops, the stream to the client)
 is the rest. A server without these series (vLLM, SGLang) gets no breakdown.
+
+A pdmesh gateway serves its metrics on a port of its own, never on the API port
+(`--metrics-url`; by default the API port + 100, `client.default_metrics_url`).
 """
 
 from __future__ import annotations
@@ -43,11 +46,11 @@ def parse(text: str) -> Scrape:
     return out
 
 
-async def scrape(session: aiohttp.ClientSession, server_root: str) -> Scrape | None:
-    """The server's figures, or None when it has no /metrics or no pdmesh series."""
+async def scrape(session: aiohttp.ClientSession, metrics_url: str) -> Scrape | None:
+    """The figures at `metrics_url`, or None when it does not answer or has no pdmesh
+    series."""
     try:
-        async with session.get(server_root.rstrip("/") + "/metrics",
-                               timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        async with session.get(metrics_url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
             if resp.status != 200:
                 return None
             text = await resp.text()

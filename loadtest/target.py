@@ -16,9 +16,9 @@ from pdmesh.loadtest import integrity, phases
 from pdmesh.loadtest.client import (
     ClientConfig,
     RequestResult,
+    default_metrics_url,
     model_info,
     send_request,
-    server_root,
 )
 from pdmesh.loadtest.metrics import LATENCY_METRICS, PERCENTILES, compute_metrics, parse_goodput
 from pdmesh.loadtest.progress import ProgressBar
@@ -34,6 +34,11 @@ class Target:
     base_url: str
     api_keys: tuple[str | None, ...]
     model: str | None
+    metrics_url: str = ""  # its gateway's /metrics (empty: default_metrics_url(base_url))
+
+    @property
+    def metrics(self) -> str:
+        return self.metrics_url or default_metrics_url(self.base_url)
 
 
 @dataclass
@@ -77,15 +82,14 @@ async def run_target(args: argparse.Namespace, target: Target, model: str,
         references: dict = {}
         if args.integrity and args.integrity_phase == "before":
             references = await _references(requests, send, stop, target, show_progress)
-        root = server_root(target.base_url)
-        before = await phases.scrape(session, root)  # a pdmesh gateway's phase histograms
+        before = await phases.scrape(session, target.metrics)  # a pdmesh gateway's phases
         bar = ProgressBar(len(requests), target.label, show_progress)
         outcome = await run_load(requests, send, shape, stop, bar.on_event)
         bar.close()
         if before is not None:
             # Prefill's timing of the last requests may trail their last token.
             await asyncio.sleep(PHASE_SETTLE_S)
-        ttft_breakdown = phases.breakdown(before, await phases.scrape(session, root)
+        ttft_breakdown = phases.breakdown(before, await phases.scrape(session, target.metrics)
                                           if before is not None else None)
         if args.integrity and args.integrity_phase == "after":
             references = await _references(requests, send, stop, target, show_progress)

@@ -8,7 +8,8 @@ length it reports:
 
 - `ttft_ratio_<model>_<len>`: median TTFT on the mesh / median TTFT colocated (target
   <= 1.05). TTFT is the gateway's own (`pdmesh:time_to_first_token_seconds`, read as the
-  difference of two /metrics scrapes around each request), the same code on both sides;
+  difference of two scrapes of its metrics port around each request), the same code on
+  both sides;
 - `exposed_transfer_share_<model>_<len>`: the KV transfer left after the prefill ended /
   the whole transfer, over the mesh's runs (the gateway's PhaseTiming histograms; target
   <= 0.25 for prompts of 4 chunks or more); null when the prefill reports no timing;
@@ -74,6 +75,7 @@ class Server:
     label: str
     proc: subprocess.Popen[bytes]
     port: int
+    metrics_port: int  # the gateway's metrics (never on its API port)
     log: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
@@ -98,7 +100,8 @@ class Server:
         return total
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.root + "/metrics", timeout=30) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=30) as resp:
             return phases.parse(resp.read().decode())
 
     def complete(self, prompt: list[int], model: str, timeout_s: float) -> float:
@@ -151,14 +154,15 @@ def started(label: str, model: str, context: int, colocated: bool) -> Iterator[S
 
 
 def _start(label: str, model: str, context: int, colocated: bool) -> Server:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "pdmesh.services.ops.cli", "up", "--model", model,
-           "--gateway-port", str(port), "--max-context", str(context),
+           "--gateway-port", str(port), "--metrics-port", str(metrics_port),
+           "--max-context", str(context),
            "--kv-tokens", str(context + 256), *(["--colocated"] if colocated else [])]
     env = {**os.environ, "PDMESH_ALLOW_DEV_CREDENTIALS": "1", "PDMESH_LOG_LEVEL": "WARNING",
            "PYTHONUNBUFFERED": "1", **BENCH_ENV}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    server = Server(label, proc, port)
+    server = Server(label, proc, port, metrics_port)
 
     def pump() -> None:
         assert proc.stdout is not None

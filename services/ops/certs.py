@@ -73,7 +73,7 @@ def private_dir(path: Path, note: Note = silent) -> Path:
         if not path.is_dir():
             raise NotADirectoryError(f"{path} is not a directory")
         mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
+        if mode & 0o077:  # guard: secrets-tighten
             os.chmod(path, mode & ~0o077)
             note(f"tightened {path} from {mode:04o} to {mode & ~0o077:04o}")
     return path

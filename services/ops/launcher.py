@@ -19,6 +19,10 @@ Ed25519 signing key, the prefill, decode and colocated workers its public verify
 the gateway the cache-salt key, each through its process's environment and nothing else.
 A key in the launcher's own environment is not passed on (`child_env`), so no process
 holds another role's key.
+
+The gateway's metrics (per-tenant series; never on the API port) get a loopback port of
+their own: `--metrics-port` when given, else the API port + 100 (8100 for 8000) when that
+is free, else any free port. The launcher prints it before the mesh-ready line.
 """
 
 from __future__ import annotations
@@ -40,13 +44,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdmesh.services.ops import natsauth
-from pdmesh.services.ops.topology import ServiceSpec, mesh_services
+from pdmesh.services.ops.topology import ServiceSpec, mesh_services, metrics_port_for
 from pdmesh.services.protocol.errors import StartupError
+from pdmesh.services.runtime import redact
+from pdmesh.services.runtime.config import FILE_SUFFIX
 from pdmesh.services.runtime.settings import BY_FIELD, KEY_FIELDS
 
 # The keys' env vars, each for one role only (`pdmesh up` hands them out by role): never
 # inherited from the launcher's own environment.
 KEY_ENV = tuple(BY_FIELD[f].env for f in KEY_FIELDS)
+NATS_PASSWORD_FILE_ENV = BY_FIELD["nats_password"].env + FILE_SUFFIX
+METRICS_PORT_ENV = BY_FIELD["metrics_port"].env
 READY_TIMEOUT_S = 180.0  # the first `smollm2` start downloads and dequantizes the model
 STOP_GRACE_S = 10.0
 
@@ -132,12 +140,31 @@ class Launcher:
         self.identities: dict[str, natsauth.Identity] = {}  # by spec name (+ "tools")
         self._stopping = False
         self._fresh_port = PortAllocator()
+        self.metrics_port = 0  # the gateway's, once start() chose it
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def choose_metrics_port(self) -> int:
+        """The gateway's metrics port: the one `pdmesh up` was given, else the API port +
+        100 when it is free, else a free one."""
+        given = int(self.env.get("gateway", {}).get(METRICS_PORT_ENV, "") or 0)
+        if given:
+            if given == self.gateway_port or port_in_use("127.0.0.1", given):
+                raise StartupError("up", f"metrics port {given}", "already in use")
+            return given
+        usual = metrics_port_for(self.gateway_port)
+        if usual and not port_in_use("127.0.0.1", usual):
+            return usual
+        return PortAllocator({self.gateway_port})()
 
     async def start(self) -> None:
         if port_in_use("127.0.0.1", self.gateway_port):
             raise StartupError("up", f"gateway port {self.gateway_port}", "already in use")
+        self.metrics_port = self.choose_metrics_port()
         ports: dict[tuple[str, int], int] = {}
-        self._fresh_port = PortAllocator({self.gateway_port})
+        self._fresh_port = PortAllocator({self.gateway_port, self.metrics_port})
 
         def port_for(role: str, i: int) -> int:
             if (role, i) not in ports:
@@ -146,7 +173,7 @@ class Launcher:
 
         self.specs = mesh_services(prefill=self.prefill, decode=self.decode,
                                    port_for=port_for, gateway_port=self.gateway_port,
-                                   colocated=self.colocated)
+                                   colocated=self.colocated, metrics_port=self.metrics_port)
         if not self.nats_url:
             await self._start_nats()
         for spec in self.specs:
@@ -162,10 +189,13 @@ class Launcher:
         key reaches only the role `env` gives it to), the settings of its role, its
         spec's, the NATS URL and, with the embedded NATS, its identity."""
         inherited = os.environ if environ is None else environ
-        env = {k: v for k, v in inherited.items() if k not in KEY_ENV}
+        # A key's file form (`<env>_FILE`) is the key too: neither is inherited.
+        env = {k: v for k, v in inherited.items()
+               if k not in KEY_ENV and k.removesuffix(FILE_SUFFIX) not in KEY_ENV}
         env.update({**self.env.get(spec.role, {}), **spec.env, "PDMESH_NATS_URL": self.nats_url})
         ident = self.identities.get(spec.name)
         if ident is not None:
+            env.pop(NATS_PASSWORD_FILE_ENV, None)  # its own password replaces any given
             env.update(PDMESH_WORKER_ID=ident.user, PDMESH_NATS_USER=ident.user,
                        PDMESH_NATS_PASSWORD=ident.password)
         return env
@@ -300,8 +330,10 @@ async def run_up(launcher: Launcher) -> int:
             print(f"pdmesh: NATS requires credentials (one user per process); read-only "
                   f"tools identity: pdmesh check --nats-url \"$(cat "
                   f"{launcher.tools_url_file})\"", flush=True)
+        print(f"pdmesh: gateway metrics (per tenant; not on the API port): "
+              f"{launcher.metrics_url}", flush=True)
         print(f"pdmesh: mesh ready: http://127.0.0.1:{launcher.gateway_port}/v1 "
-              f"(NATS {launcher.nats_url}); Ctrl-C to stop", flush=True)
+              f"(NATS {redact.redact(launcher.nats_url)}); Ctrl-C to stop", flush=True)
         if launcher.keep_going:
             await stop.wait()
             return 0

@@ -107,7 +107,7 @@ class RedactFilter(logging.Filter):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - logging reports a bad format string itself
             return True
-        record.msg, record.args = redact(message), None
+        record.msg, record.args = redact(message), None  # guard: redact-filter
         if record.exc_info and not record.exc_text:
             record.exc_text = self._formatter.formatException(record.exc_info)
         if record.exc_text:

@@ -2,9 +2,14 @@
 
 It owns: the NATS connection (reconnecting forever once connected), typed subscriptions
 (one decoder per subscription, bad messages counted and logged, never fatal), the
-service's HTTP port with `/health`, `/ready` and `/metrics`, periodic heartbeats, every
-background task (nothing fire-and-forget: tasks are kept in a set, cancelled and awaited on
-close), and an idempotent drain on SIGTERM/SIGINT.
+service's HTTP port with `/health`, `/ready` and `/metrics` behind the HTTP edge (limits,
+timeouts, quiet parser errors: edge.py), periodic heartbeats, every background task
+(nothing fire-and-forget: tasks are kept in a set, cancelled and awaited on close), and an
+idempotent drain on SIGTERM/SIGINT.
+
+A service whose config has a `metrics_port` (the gateway, whose HTTP port is the public
+API) serves `/metrics` and the details of `/health` and `/ready` on that second port
+only; its HTTP port answers `/health` and `/ready` with healthy-or-not and ready-or-not.
 
 Lifecycle: STARTING -> READY -> DRAINING -> CLOSED.
 """
@@ -34,6 +39,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+import pdmesh.services.runtime.edge as edge
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
 from pdmesh.services.protocol.errors import StartupError
@@ -42,6 +48,26 @@ from pdmesh.services.runtime.config import ServiceConfig
 log = logging.getLogger("pdmesh.runtime")
 DRAIN_TIMEOUT_S = 3.0  # flushing NATS on shutdown; a dead server must not hold us longer
 T = TypeVar("T")
+
+
+class NatsRefused(Exception):
+    """The NATS server refused this process's credentials while it connected."""
+
+
+def is_auth_error(exc: BaseException) -> bool:
+    """A NATS error that says the credentials were refused (nats-py reports the server's
+    -ERR during the connect as a plain `nats.errors.Error`)."""
+    return isinstance(exc, nats.errors.AuthorizationError) or (
+        isinstance(exc, nats.errors.Error) and "authorization violation" in str(exc).lower())
+
+
+def public_url(url: str) -> str:
+    """`url` without its userinfo (user and password)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
 
 
 def counter_total(counter: Counter) -> float:
@@ -69,16 +95,29 @@ class ServiceRuntime:
         self.nc: NATS = NATS()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._subs: list[Any] = []
-        self._runner: web.AppRunner | None = None
+        self._runners: list[web.AppRunner] = []
+        self._restore_loop_handler: Callable[[], None] | None = None
+        self._auth_refused: asyncio.Future[BaseException] | None = None
+        self._connect_error: BaseException | None = None  # the last one while connecting
         self._closed = asyncio.Event()
         self._drain_lock = asyncio.Lock()
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
         self._reconnect_hooks: list[Callable[[], None]] = []
         self.http_port = cfg.http_port
-        self.app = web.Application()
-        self.app.router.add_get("/health", self._health)
-        self.app.router.add_get("/ready", self._ready)
-        self.app.router.add_get("/metrics", self._metrics)
+        self.edge_limits = edge.EdgeLimits.of(cfg)
+        self.edge_metrics = edge.EdgeMetrics(self.registry, self.role)
+        self.app = web.Application()  # the HTTP port (the gateway adds its API)
+        # The gateway's HTTP port is public: metrics and details go to a port of their own.
+        self.metrics_app: web.Application | None = None
+        self.metrics_port = getattr(cfg, "metrics_port", None)
+        if self.metrics_port is not None:  # guard: metrics-off-api
+            self.metrics_app = web.Application()
+            self.app.router.add_get("/health", self._health_public)
+            self.app.router.add_get("/ready", self._ready_public)
+        details = self.metrics_app or self.app
+        details.router.add_get("/health", self._health)
+        details.router.add_get("/ready", self._ready)
+        details.router.add_get("/metrics", self._metrics)
         self.bad_messages = Counter(
             "pdmesh:bad_messages_total", "Control messages that failed to decode",
             ["service", "subject"], registry=self.registry)
@@ -102,24 +141,36 @@ class ServiceRuntime:
         self.state_gauge.labels(self.role).set(int(state))
 
     async def start_http(self, extra: Callable[[web.Application], None] | None = None) -> None:
-        """Bind the service's HTTP port; `extra` may add routes (the gateway adds its API)."""
+        """Bind the service's HTTP port (and the metrics port, where the service has one)
+        behind the HTTP edge; `extra` may add routes (the gateway adds its API)."""
         if extra is not None:
             extra(self.app)
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.http_host, self.cfg.http_port,
-                           reuse_address=True)
+        if self._restore_loop_handler is None:
+            self._restore_loop_handler = edge.install_accept_limiter(self.edge_metrics)
+        self.http_port = await self._listen(self.app, "http", self.cfg.http_host,
+                                            self.cfg.http_port)
+        if self.metrics_app is not None:
+            host = self.cfg.metrics_host  # type: ignore[attr-defined]
+            self.metrics_port = await self._listen(
+                self.metrics_app, "metrics", host, self.cfg.metrics_port,  # type: ignore[attr-defined]
+                cap=edge.METRICS_LISTENER_MAX_CONNECTIONS)
+
+    async def _listen(self, app: web.Application, listener: str, host: str, port: int,
+                      cap: int | None = None) -> int:
         try:
-            await site.start()
+            runner, bound = await edge.serve(app, host, port, limits=self.edge_limits,
+                                             metrics=self.edge_metrics, listener=listener,
+                                             cap=cap)
         except OSError as exc:
-            raise StartupError(self.role, f"HTTP port {self.cfg.http_host}:{self.cfg.http_port}",
+            what = "HTTP port" if listener == "http" else "metrics port"
+            raise StartupError(self.role, f"{what} {host}:{port}",
                                exc.strerror or str(exc)) from None
-        sockets = site._server.sockets if site._server else []
-        if sockets:
-            self.http_port = sockets[0].getsockname()[1]
+        self._runners.append(runner)
+        return bound
 
     async def connect(self) -> None:
-        """Connect to NATS, retrying until nats_connect_timeout_s, then reconnect forever."""
+        """Connect to NATS, retrying until nats_connect_timeout_s, then reconnect forever.
+        Credentials the server refuses end the start at once, saying so."""
         tls: ssl.SSLContext | None = None
         if self.cfg.nats_tls_ca:  # multi-host NATS: verify the servers against this CA
             try:
@@ -127,43 +178,77 @@ class ServiceRuntime:
             except (OSError, ssl.SSLError) as exc:
                 raise StartupError(self.role, f"NATS CA {self.cfg.nats_tls_ca}", str(exc)) \
                     from exc
+        where = f"NATS at {', '.join(public_url(u) for u in self.cfg.nats_servers)}"
         deadline = time.monotonic() + self.cfg.nats_connect_timeout_s
-        last: Exception | None = None
+        last: BaseException | None = None
         while time.monotonic() < deadline:
             try:
-                # nats-py keeps retrying an unreachable server forever with unlimited
-                # reconnects, so the start-up deadline is ours.
-                await asyncio.wait_for(self.nc.connect(
-                    servers=self.cfg.nats_servers, name=f"{self.role}:{self.worker_id}",
-                    user=self.cfg.nats_user or None, password=self.cfg.nats_password or None,
-                    inbox_prefix=m.inbox_prefix(self.cfg.nats_user),
-                    # With a CA: TLS before anything else, so a server (or a man in the
-                    # middle) that does not offer TLS never sees the password in clear.
-                    tls=tls, tls_handshake_first=tls is not None,  # guard: tls-first
-                    # In the order given: a host's own NATS node first (multi-host), the
-                    # others only to fail over to.
-                    dont_randomize=True,
-                    connect_timeout=1, allow_reconnect=True, max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.25, ping_interval=5, max_outstanding_pings=2,
-                    drain_timeout=DRAIN_TIMEOUT_S,
-                    error_cb=self._on_nats_error, disconnected_cb=self._on_disconnect,
-                    reconnected_cb=self._on_reconnect),
-                    max(deadline - time.monotonic(), 0.1))
+                await self._connect_once(tls, max(deadline - time.monotonic(), 0.1))
                 self.nats_connected.labels(self.role).set(1)
                 return
             except asyncio.CancelledError:
                 raise
+            except NatsRefused as exc:
+                with contextlib.suppress(Exception):
+                    await self.nc.close()
+                user = self.cfg.nats_user
+                why = (f"the server refused the credentials of NATS user {user!r}" if user
+                       else "the server requires credentials and none were given")
+                raise StartupError(self.role, where, f"authorization failed: {why} ({exc}); "
+                                   "check PDMESH_NATS_USER and PDMESH_NATS_PASSWORD") from None
             except Exception as exc:  # noqa: BLE001 - any failure to connect is retried
-                last = exc
+                last = self._connect_error or exc
                 with contextlib.suppress(Exception):
                     await self.nc.close()
                 self.nc = NATS()
                 await asyncio.sleep(0.25)
-        raise StartupError(self.role, f"NATS at {', '.join(self.cfg.nats_servers)}",
+        raise StartupError(self.role, where,
                            f"unreachable for {self.cfg.nats_connect_timeout_s:g}s "
                            f"({type(last).__name__ if last else 'timeout'})")
 
+    async def _connect_once(self, tls: ssl.SSLContext | None, timeout_s: float) -> None:
+        """One nats-py connect, within `timeout_s` (TimeoutError). nats-py retries an
+        unreachable server, and one that refuses the credentials, forever with unlimited
+        reconnects, reporting each failure to the error callback only: a refusal seen
+        there ends the attempt as NatsRefused."""
+        refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self._auth_refused, self._connect_error = refused, None
+        attempt = asyncio.ensure_future(self.nc.connect(
+            servers=self.cfg.nats_servers, name=f"{self.role}:{self.worker_id}",
+            user=self.cfg.nats_user or None, password=self.cfg.nats_password or None,
+            inbox_prefix=m.inbox_prefix(self.cfg.nats_user),
+            # With a CA: TLS before anything else, so a server (or a man in the
+            # middle) that does not offer TLS never sees the password in clear.
+            tls=tls, tls_handshake_first=tls is not None,  # guard: tls-first
+            # In the order given: a host's own NATS node first (multi-host), the
+            # others only to fail over to.
+            dont_randomize=True,
+            connect_timeout=1, allow_reconnect=True, max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25, ping_interval=5, max_outstanding_pings=2,
+            drain_timeout=DRAIN_TIMEOUT_S,
+            error_cb=self._on_nats_error, disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect))
+        try:
+            done, _ = await asyncio.wait({attempt, refused}, timeout=timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._auth_refused = None
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.gather(attempt, return_exceptions=True)
+        if attempt in done:
+            attempt.result()
+            return
+        if refused.done():
+            raise NatsRefused(str(refused.result()))
+        raise TimeoutError(f"NATS connect took over {timeout_s:g}s")
+
     async def _on_nats_error(self, exc: Exception) -> None:
+        refused = self._auth_refused
+        if refused is not None:  # connecting
+            self._connect_error = exc
+            if is_auth_error(exc) and not refused.done():
+                refused.set_result(exc)
         log.debug("%s: nats error: %r", self.role, exc)
 
     async def _on_disconnect(self) -> None:
@@ -186,7 +271,12 @@ class ServiceRuntime:
 
     def mark_ready(self) -> None:
         self._set_state(ServiceState.READY)
-        log.info("%s %s ready (http :%d)", self.role, self.worker_id, self.http_port)
+        if self.metrics_app is not None:
+            log.info("%s %s ready (http :%d, metrics %s:%d)", self.role, self.worker_id,
+                     self.http_port, self.cfg.metrics_host,  # type: ignore[attr-defined]
+                     self.metrics_port)
+        else:
+            log.info("%s %s ready (http :%d)", self.role, self.worker_id, self.http_port)
 
     @property
     def is_ready(self) -> bool:
@@ -328,6 +418,16 @@ class ServiceRuntime:
                                   "nats_connected": self.nc.is_connected},
                                  status=200 if ok else 503)
 
+    async def _health_public(self, _req: web.Request) -> web.Response:
+        """Healthy (serving or starting) or not, and nothing else: a public port's."""
+        healthy = self.state < ServiceState.DRAINING
+        return web.json_response({"status": "healthy" if healthy else "unhealthy"},
+                                 status=200 if healthy else 503)
+
+    async def _ready_public(self, _req: web.Request) -> web.Response:
+        ok = self.is_ready and self.extra_ready()
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
     def extra_ready(self) -> bool:
         """Services may add readiness conditions (the gateway: workers registered)."""
         return True
@@ -365,8 +465,10 @@ class ServiceRuntime:
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self.nc.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in self._runners:  # the HTTP port first, the metrics port last
+            await runner.cleanup()
+        if self._restore_loop_handler is not None:
+            self._restore_loop_handler()
         self._set_state(ServiceState.CLOSED)
         self._closed.set()
 

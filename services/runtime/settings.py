@@ -146,13 +146,44 @@ SETTINGS: tuple[Setting, ...] = (
             "Worker identity in heartbeats and subjects. Empty: <role>-<hostname>-<pid>.",
             ROLES, check=subject_token),
     Setting("http_host", "--http-host", "PDMESH_HTTP_HOST", str, "127.0.0.1",
-            "Bind host of the service's HTTP port (/health, /ready, /metrics; API on gateway).",
-            ROLES),
+            "Bind host of the service's HTTP port: /health, /ready and /metrics; on the "
+            "gateway the API, with /metrics and the details of /health and /ready on "
+            "--metrics-port instead.", ROLES),
     Setting("http_port", "--http-port", "PDMESH_HTTP_PORT", int, -1,
             "Service HTTP port. -1: role default (admission 8101, prefill 8102, decode 8103, "
             "colocated 8104, gateway: --gateway-port).", ROLES, check=port),
     Setting("gateway_port", "--gateway-port", "PDMESH_GATEWAY_PORT", int, 8000,
             "Gateway API port (OpenAI-compatible HTTP + SSE).", (GATEWAY,), check=port, up=True),
+    Setting("metrics_host", "--metrics-host", "PDMESH_METRICS_HOST", str, "127.0.0.1",
+            "Gateway: bind host of the metrics port (/metrics with the per-tenant series, "
+            "/health and /ready with details). Loopback or the cluster network only: the API "
+            "port serves none of it.", (GATEWAY,)),
+    Setting("metrics_port", "--metrics-port", "PDMESH_METRICS_PORT", int, 0,
+            "Gateway: the metrics port. 0: a free port, chosen at start and logged. `pdmesh "
+            "up` takes the API port + 100 for 0 (8100 with the default port; a free one when "
+            "that is taken) and prints it.", (GATEWAY,), check=port, up=True),
+    Setting("http_max_connections", "--http-max-connections", "PDMESH_HTTP_MAX_CONNECTIONS",
+            int, 1024, "Open connections one HTTP listener holds at once (the service's "
+            "port; the gateway's metrics port holds at most 64 of its own), lowered to fit "
+            "the file-descriptor limit (a quarter of it kept for the rest). Over it a "
+            "connection gets 503 `too_many_connections` and is closed.", ROLES,
+            check=positive),
+    Setting("http_max_connections_per_client", "--http-max-connections-per-client",
+            "PDMESH_HTTP_MAX_CONNECTIONS_PER_CLIENT", int, 256,
+            "Open connections from one client address (over it: 429 `too_many_connections`). "
+            "Behind a reverse proxy every connection is the proxy's: raise it to the proxy's "
+            "connection pool.", ROLES, check=positive),
+    Setting("http_header_timeout_s", "--http-header-timeout-s", "PDMESH_HTTP_HEADER_TIMEOUT_S",
+            float, 10.0, "The longest a connection may take to send a request's headers, "
+            "from its opening or from the first byte of a later request; then it is closed.",
+            ROLES, check=positive),
+    Setting("http_body_timeout_s", "--http-body-timeout-s", "PDMESH_HTTP_BODY_TIMEOUT_S",
+            float, 60.0, "The longest a request's body may take to arrive after its headers; "
+            "then the connection is closed.", ROLES, check=positive),
+    Setting("http_keepalive_timeout_s", "--http-keepalive-timeout-s",
+            "PDMESH_HTTP_KEEPALIVE_TIMEOUT_S", float, 75.0,
+            "An idle keep-alive HTTP connection is closed after this long.", ROLES,
+            check=positive),
     Setting("data_host", "--data-host", "PDMESH_DATA_HOST", str, "127.0.0.1",
             "Bind host of the KV data plane (prefill and decode).", WORKERS),
     Setting("data_port", "--data-port", "PDMESH_DATA_PORT", int, 0,
@@ -197,7 +228,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("torch_threads", "--torch-threads", "PDMESH_TORCH_THREADS", int, 0,
             "CPU threads for the engine of a prefill/decode worker. 0: torch's default (all "
             "cores). Pin it when workers share a host (results do not depend on it).",
-            WORKERS, check=non_negative),
+            WORKERS, check=non_negative, up=True),
     Setting("max_batch", "--max-batch", "PDMESH_MAX_BATCH", int, 16,
             "Decode continuous-batch size.", (DECODE, COLOCATED), check=positive),
     Setting("heartbeat_s", "--heartbeat-s", "PDMESH_HEARTBEAT_S", float, 0.5,

@@ -23,8 +23,7 @@ DASHBOARD = REPO / "compose/observability/grafana/dashboards/pdmesh.json"
 
 
 def scrape(mesh: Mesh) -> dict[tuple[str, frozenset], float]:
-    url = f"http://127.0.0.1:{mesh.gateway_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    with urllib.request.urlopen(mesh.metrics_url, timeout=10) as resp:
         text = resp.read().decode()
     return {(s.name, frozenset(s.labels.items())): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -179,7 +178,8 @@ async def test_dashboard_reads_only_series_the_mesh_exports(live_mesh: Mesh) -> 
     async with openai.AsyncOpenAI(base_url=live_mesh.base_url, api_key=KEY,
                                   max_retries=0) as client:  # labelled series appear
         await client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
-    names = {n for url in [*urls.values(), f"http://127.0.0.1:{live_mesh.gateway_port}"]
+    gateway = live_mesh.metrics_url.removesuffix("/metrics")
+    names = {n for url in [*urls.values(), gateway]
              for n, _ in await asyncio.to_thread(_scrape_url, url)}
     board = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]

@@ -277,8 +277,7 @@ def test_served_names_and_default_max_tokens(named_mesh: Mesh) -> None:
             client.completions.create(model="other", prompt=PROMPT, max_tokens=2)
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="alias", prompt=PROMPT, max_tokens=2, n=3)
-    with urllib.request.urlopen(f"http://127.0.0.1:{named_mesh.gateway_port}/metrics",
-                                timeout=10) as resp:
+    with urllib.request.urlopen(named_mesh.metrics_url, timeout=10) as resp:
         text = resp.read().decode()
     assert 'pdmesh:num_requests_running{model_name="my-model"}' in text
 

@@ -780,6 +780,31 @@ MUTATIONS = [
              (Replace("prefill-fair", "job = self._waiting[0]"),),
              ("tests/prefill/test_scheduler.py::"
               "test_waiting_prompts_start_fairly_between_tenants",)),
+    # The edge: the public port serves only the API, bounded; no secret at rest or in logs.
+    Mutation("metrics-off-api", "the gateway's per-tenant metrics are not on its API port",
+             (Condition("metrics-off-api", "False"),),
+             ("tests/gateway/test_edge_metrics.py::"
+              "test_an_unauthenticated_scrape_of_the_api_port_gets_nothing_per_tenant",)),
+    Mutation("edge-header-timeout", "a connection that trickles its headers is closed",
+             (Delete("edge-header-timeout"),),
+             ("tests/gateway/test_edge_limits.py::"
+              "test_idle_and_trickling_connections_neither_block_a_request_nor_flood_the_log",)),
+    Mutation("edge-client-cap", "one client address holds at most its share of connections",
+             (Condition("edge-client-cap", "False"),),
+             ("tests/gateway/test_edge_limits.py::"
+              "test_caps_answer_at_once_and_slow_bodies_and_idle_keepalives_end",)),
+    Mutation("edge-parse-sanitize", "a parser error's answer never quotes the request",
+             (Replace("edge-parse-sanitize", "status, text = 400, str(exc)"),),
+             ("tests/gateway/test_edge_errors.py::"
+              "test_parser_errors_are_json_without_the_requests_bytes",)),
+    Mutation("secrets-tighten", "a secrets directory others may read is made 0700",
+             (Condition("secrets-tighten", "False"),),
+             ("tests/ops/test_secrets_at_rest.py::"
+              "test_a_rerun_tightens_a_loose_secrets_directory_and_kept_keys",)),
+    Mutation("redact-filter", "log records are redacted (URL passwords, keys, secrets)",
+             (Replace("redact-filter", "record.msg = record.msg"),),
+             ("tests/runtime/test_redact.py::"
+              "test_the_filter_masks_message_arguments_and_exceptions",)),
     Mutation("liveness-listening", "a gateway whose own loop stalled blames no worker",
              (Condition("liveness-listening", "False"),),
              ("tests/gateway/test_loop_liveness.py::"

@@ -130,7 +130,7 @@ async def _attack(mesh: Mesh) -> dict:
                 if line.startswith("data: {"):
                     text += json.loads(line[6:])["choices"][0]["text"]
         await asyncio.sleep(0.5)  # the heartbeats' effect, if any, and the counters
-        gateway_metrics = await (await http.get(base + "/metrics")).text()
+        gateway_metrics = await (await http.get(mesh.metrics_url)).text()
         decode_metrics = await (await http.get(
             beats[serving_decode].http_address + "/metrics")).text()
         after = await _stats(tools, beats)

@@ -26,7 +26,8 @@ def mesh(request):
 
 @pytest.mark.slow
 def test_bounded_load_on_the_live_mesh(mesh, tmp_path):
-    argv = ["--base-url", mesh.base_url, "--api-keys", ",".join(mesh.api_keys),
+    argv = ["--base-url", mesh.base_url, "--metrics-url", mesh.metrics_url,
+            "--api-keys", ",".join(mesh.api_keys),
             "--model", mesh.model, "--context-length", str(mesh.max_context),
             "--num-requests", "12", "--duration", "2", "--drain-timeout", "60",
             "--input-len-dist", "uniform",

@@ -89,12 +89,12 @@ async def test_a_fresh_gateway_is_scraped_so_the_first_run_gets_a_breakdown() ->
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         async with aiohttp.ClientSession() as session:
-            before = await phases.scrape(session, f"http://127.0.0.1:{port}")
+            before = await phases.scrape(session, f"http://127.0.0.1:{port}/metrics")
             assert before is not None  # a pdmesh gateway, nothing observed yet
             _observe(metrics, 2.0, m.PhaseTiming(request_id="r", queue_s=0.1, prefill_s=1.5,
                                                  transfer_s=0.4, exposed_transfer_s=0.1),
                      0.05, 0.01)
-            after = await phases.scrape(session, f"http://127.0.0.1:{port}")
+            after = await phases.scrape(session, f"http://127.0.0.1:{port}/metrics")
         got = phases.breakdown(before, after)
         assert got is not None
     finally:

@@ -93,6 +93,7 @@ class Mesh:
     log: list[str] = field(default_factory=list)
     signing_key: str = ""  # admission's, given to `pdmesh up` (run_mesh makes fresh ones)
     salt_key: str = ""  # the gateway's cache-salt key
+    metrics_url: str = ""  # the gateway's /metrics (its own port, as `pdmesh up` prints it)
 
     @property
     def verify_key(self) -> str:
@@ -162,6 +163,9 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
         for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             mesh.log.append(line)
+            metrics = re.search(r"gateway metrics .*: (http://\S+/metrics)$", line)
+            if metrics:
+                mesh.metrics_url = metrics.group(1)
             creds = re.search(r"tools identity: .*\$\(cat (\S+)\)", line)
             if creds:
                 mesh.run_dir = Path(creds.group(1)).parent

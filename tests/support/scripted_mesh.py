@@ -108,6 +108,7 @@ class Running:
     def __init__(self, gw: Gateway, mesh: ScriptedMesh) -> None:
         self.gw, self.mesh = gw, mesh
         self.base = f"http://127.0.0.1:{gw.rt.http_port}"
+        self.metrics_url = f"http://127.0.0.1:{gw.rt.metrics_port}/metrics"
 
     async def post(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict, float]:
         t0 = time.monotonic()
@@ -117,7 +118,7 @@ class Running:
             return resp.status, await resp.json(), time.monotonic() - t0
 
     async def metrics(self) -> dict[tuple[str, frozenset], float]:
-        async with aiohttp.ClientSession() as http, http.get(self.base + "/metrics") as resp:
+        async with aiohttp.ClientSession() as http, http.get(self.metrics_url) as resp:
             text = await resp.text()
         return {(s.name, frozenset(s.labels.items())): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
