@@ -55,11 +55,13 @@ test-multihost: $(VENV)/.installed-test
 	       "(needs root and CAP_NET_ADMIN); the multi-host scenarios did NOT run !!!!!!" >&2; \
 	fi
 
-## make test-long: long-context scenarios (tiny model at 32k tokens: minutes of prefill on
-## two cores), kept out of `make test` for its time budget.
+## make test-long: long-context and long-prompt scenarios (tiny model at 32k tokens: minutes
+## of prefill on two cores) and the fairness benchmark's acceptance run, kept out of
+## `make test` for its time budget.
 test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
-	  tests/gateway/test_long_context.py $(ARGS)
+	  tests/gateway/test_long_context.py tests/prefill/test_long_prompts.py \
+	  tests/loadtest/test_bench_fairness.py $(ARGS)
 
 ## make test-fuzz: the trust-boundary fuzzers (HTTP bodies, control messages, frame headers,
 ## random header bytes) at 10,000 cases each (`make test` draws 1,000).

@@ -50,8 +50,8 @@ def test_lab_services_get_the_compose_environment(host: str, tmp_path: Path) -> 
         wid, port = next((w, p) for h, r, w, p in SERVICES if h == host and r == role)
         env = lab.service_env(host, role, wid, port)
         for key, value in service["environment"].items():
-            if key in ("PDMESH_HTTP_PORT", "PDMESH_GATEWAY_PORT", "PDMESH_TENANTS_FILE",
-                       "PDMESH_NATS_TLS_CA", "PDMESH_LOG_LEVEL"):
+            if key in ("PDMESH_HTTP_PORT", "PDMESH_GATEWAY_PORT", "PDMESH_METRICS_PORT",
+                       "PDMESH_TENANTS_FILE", "PDMESH_NATS_TLS_CA", "PDMESH_LOG_LEVEL"):
                 continue  # per-process ports; secrets (own paths); verbosity
             assert env.get(key) == _substitute(str(value), lab), (role, key)
         # The role's NATS user, from the env file compose reads (same name as the lab's).

@@ -1,4 +1,5 @@
-"""Long prompts end to end, on a real mesh (`pdmesh up`, tiny model).
+"""Long prompts end to end, on a real mesh (`pdmesh up`, tiny model). They take about a
+minute, so they run in `make test-long` (PDMESH_LONG_TESTS=1), not in `make test`.
 
 Liveness is progress, not a deadline: the mesh below gives up on a prefill that reports no
 progress for STALL_S, yet serves prompts whose prefill takes longer than that. Prompts run
@@ -23,7 +24,12 @@ from tests.support.meshproc import Mesh, mesh_env, run_mesh
 from tests.support.meshstats import assert_pools_clean, by_role, counter, worker_stats
 from tests.support.oracle import expected_text
 
-pytestmark = [pytest.mark.mesh, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.mesh, pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("PDMESH_LONG_TESTS") != "1",
+                       reason="long-prompt scenarios (a minute): make test-long "
+                       "(PDMESH_LONG_TESTS=1)"),
+]
 
 STALL_S = 1.5  # --prefill-stall-s of this mesh (a 512-token chunk takes far less)
 LONGER = 12000  # tokens: 24 chunks, a prefill of several STALL_S

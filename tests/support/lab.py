@@ -246,7 +246,8 @@ class Lab:
             "PDMESH_MODEL": "tiny",
             "PDMESH_TRANSPORT": self.transport,
             "PDMESH_LOG_LEVEL": "INFO",
-            "PDMESH_HTTP_HOST": "0.0.0.0",
+            # /health, /ready, /metrics on the cluster address only (the gateway's API: all).
+            "PDMESH_HTTP_HOST": "0.0.0.0" if role == "gateway" else self.addr(host),
             "PDMESH_HTTP_PORT": str(http_port),
             "PDMESH_WORKER_ID": worker_id,
             "PDMESH_KV_TOKENS": str(KV_TOKENS),
@@ -263,6 +264,8 @@ class Lab:
             env["PDMESH_ADVERTISE_HOST"] = self.addr(host)
         if role == "gateway":
             env["PDMESH_GATEWAY_PORT"] = str(http_port)
+            env["PDMESH_METRICS_HOST"] = self.addr(host)  # per tenant: the cluster only
+            env["PDMESH_METRICS_PORT"] = "0"
             # control.yml mounts the tenants secret there; the lab's is the dev key file
             # (the test clients use its keys), which only a start allowing dev credentials
             # accepts (its mesh keys are still the lab's own, from role_keys).
