@@ -263,13 +263,20 @@ def cluster_config(hosts: Sequence[str], password: str, port: int = ROUTE_PORT,
             f"{tls}  routes: {json.dumps(routes)}\n}}\n")
 
 
+MONITOR_ENV = "NATS_MONITOR_LISTEN"  # host:port of a multi-host node's monitoring endpoint
+
+
 def cluster_server_config(identities: Iterable[Identity], hosts: Sequence[str],
                           route_password: str, tls_dir: str, port: int = ROUTE_PORT) -> str:
     """The multi-host node's whole config: users, client TLS (server certificate only:
-    clients authenticate with their password), the authenticated mutual-TLS cluster."""
+    clients authenticate with their password), the authenticated mutual-TLS cluster, and
+    the monitoring endpoint (/healthz, /routez) on the address each node's environment
+    gives in NATS_MONITOR_LISTEN (its cluster address: never every interface; one file
+    serves every node, so the address comes from the node's environment)."""
     return (server_config(identities)
             + tls_block(tls_dir, verify=False, handshake_first=HANDSHAKE_FIRST_FALLBACK)
-            + cluster_config(hosts, route_password, port, tls_dir=tls_dir))
+            + cluster_config(hosts, route_password, port, tls_dir=tls_dir)
+            + f"http: ${MONITOR_ENV}\n")
 
 
 def _say(line: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pdmesh.services.ops import natsauth
 from pdmesh.services.ops.topology import mesh_services
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
@@ -55,3 +56,18 @@ def test_the_ucx_override_keeps_host_network_workers_http_on_loopback() -> None:
         env = {**lab[name]["environment"], **ucx[name]["environment"]}
         assert env["PDMESH_HTTP_HOST"] == "127.0.0.1", name
         assert lab[name]["healthcheck"]["test"][-1].startswith("http://127.0.0.1:")
+
+
+@pytest.mark.parametrize("name", ["control", "prefill", "decode"])
+def test_multihost_nats_monitoring_listens_on_the_cluster_address_only(name: str) -> None:
+    """The NATS nodes' monitoring (/routez, /connz: every connection's address and user)
+    binds to the node's cluster address: the shared config reads it from each node's
+    environment, and no `--http_port` flag (every interface) is given."""
+    nats = _services(COMPOSE / "multihost" / f"{name}.yml")["nats"]
+    assert not any(str(a).startswith(("--http_port", "-m")) for a in nats["command"])
+    listen = nats["environment"][natsauth.MONITOR_ENV]
+    host = f"${{{name.upper()}_HOST:?}}"
+    assert listen == f"{host}:8222"
+    assert nats["healthcheck"]["test"][-1] == f"http://{host}:8222/healthz"
+    conf = natsauth.cluster_server_config([], ["10.0.0.1"], "pw", "/run/secrets")
+    assert f"http: ${natsauth.MONITOR_ENV}\n" in conf

@@ -224,9 +224,10 @@ class Lab:
         # As compose/multihost/*.yml: users, TLS and the cluster (its routes) from the config.
         argv = [nats_server_binary(), "--config", str(self.secrets_dir / "nats-cluster.conf"),
                 "--name", f"nats-{host}", "-a", "0.0.0.0",
-                "-p", str(NATS_PORT), "-m", str(NATS_MONITOR),
+                "-p", str(NATS_PORT),
                 "--client_advertise", f"{self.addr(host)}:{NATS_PORT}"]
-        proc = Proc(f"nats-{host}", self.switch.hosts[host], argv, dict(os.environ),
+        env = {**os.environ, natsauth.MONITOR_ENV: f"{self.addr(host)}:{NATS_MONITOR}"}
+        proc = Proc(f"nats-{host}", self.switch.hosts[host], argv, env,
                     self.workdir / f"nats-{host}.log").start()
         self.nats[host] = proc
         return proc
