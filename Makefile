@@ -61,6 +61,7 @@ test-multihost: $(VENV)/.installed-test
 test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
 	  tests/gateway/test_long_context.py tests/prefill/test_long_prompts.py \
+	  tests/gateway/test_liveness_mesh.py tests/loadtest/test_bench_disagg.py \
 	  tests/loadtest/test_bench_fairness.py $(ARGS)
 
 ## make test-fuzz: the trust-boundary fuzzers (HTTP bodies, control messages, frame headers,

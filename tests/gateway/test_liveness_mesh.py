@@ -3,7 +3,7 @@ times longer than --prefill-stall-s and a generation longer than --request-timeo
 complete, because prefill's progress and decode's tokens keep arriving; a prefill frozen
 mid-prompt (SIGSTOP, its heartbeats' TTL set far longer) ends the request with a 504 after
 --prefill-stall-s. The same rules against a scripted mesh, with exact timing, are in
-test_progress.py."""
+test_progress.py. The long prefill and generation run in `make test-long`."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def _child(mesh: Mesh, service: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("PDMESH_LONG_TESTS") != "1",
+                    reason="long prefill and generation: make test-long")
 def test_a_prefill_and_a_generation_longer_than_the_limits_complete(slow_mesh: Mesh) -> None:
     t0 = time.monotonic()
     status, reply = slow_mesh.http("POST", "/v1/completions", {
