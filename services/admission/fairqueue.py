@@ -54,9 +54,10 @@ class FairQueue:
         return waiter
 
     def first(self, eligible: Callable[[Waiter], bool] = lambda _w: True) -> Waiter | None:
-        """The eligible waiter to serve next, or None."""
-        return min((w for w in self._waiting if eligible(w)), key=lambda w: w.order,
-                   default=None)
+        """The eligible waiter to serve next, or None. `eligible` is asked in the line's
+        order and no further than the first yes (each waiting submit asks on every wake)."""
+        return next((w for w in sorted(self._waiting, key=lambda w: w.order) if eligible(w)),
+                    None)
 
     def leave(self, waiter: Waiter, served: bool) -> None:
         """`waiter` is out of the line: admitted (`served`) or given up."""

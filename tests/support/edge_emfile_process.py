@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import resource
 import sys
 
 from pdmesh.services.runtime.config import resolve
 from pdmesh.services.runtime.service import ServiceRuntime, counter_total
+from tests.support.emfile_process import no_file_descriptors
 
 HOLD_S = 2.0
 
@@ -34,19 +33,9 @@ async def main() -> dict:
     logging.getLogger().setLevel(logging.INFO)
     rt = ServiceRuntime(resolve("admission", {"http_host": "127.0.0.1", "http_port": 0}, {}))
     await rt.start_http()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-    hog = []
-    try:
-        while True:
-            hog.append(os.dup(0))
-    except OSError:
-        pass
-    print(f"PORT {rt.http_port}", flush=True)
-    await asyncio.sleep(HOLD_S)  # the clients connect; every accept() fails meanwhile
-    for fd in hog:
-        os.close(fd)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with no_file_descriptors():
+        print(f"PORT {rt.http_port}", flush=True)
+        await asyncio.sleep(HOLD_S)  # the clients connect; every accept() fails meanwhile
     await asyncio.to_thread(sys.stdin.readline)  # the test has its answers
     metrics = getattr(rt, "edge_metrics", None)
     errors = counter_total(metrics.accept_errors) if metrics else None

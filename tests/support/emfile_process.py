@@ -5,13 +5,33 @@ once descriptors are free again, and still delivers a transfer. Prints one JSON 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
 import socket
+from collections.abc import Iterator
 
 from pdmesh.transports import make_transport
 from tests.support.transport_cases import make_case
+
+
+@contextlib.contextmanager
+def no_file_descriptors(limit: int = 256) -> Iterator[None]:
+    """For the block: RLIMIT_NOFILE lowered to `limit` and every descriptor left under it
+    taken; afterwards they are closed and the limit restored."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    hog = []
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                hog.append(os.dup(0))
+        yield
+    finally:
+        for fd in hog:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def main() -> dict:
@@ -19,26 +39,16 @@ async def main() -> dict:
     sender = make_transport("tcp", progress_timeout_s=0.5)
     address = await receiver.start()
     host, port = address[len("tcp://"):].rsplit(":", 1)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
     client = socket.socket()
-    hog = []
-    try:
-        while True:
-            hog.append(os.dup(0))
-    except OSError:
-        pass
-    client.setblocking(False)
-    client.connect_ex((host, int(port)))  # the kernel completes it; accept() hits EMFILE
-    for _ in range(100):
-        await asyncio.sleep(0.02)
-        if not receiver.accepting:
-            break
-    out = {"not_accepting_at_emfile": not receiver.accepting,
-           "accept_errors": receiver.stats.accept_errors}
-    for fd in hog:
-        os.close(fd)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with no_file_descriptors():
+        client.setblocking(False)
+        client.connect_ex((host, int(port)))  # the kernel completes it; accept() hits EMFILE
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not receiver.accepting:
+                break
+        out = {"not_accepting_at_emfile": not receiver.accepting,
+               "accept_errors": receiver.stats.accept_errors}
     for _ in range(200):
         await asyncio.sleep(0.02)
         if receiver.accepting:
