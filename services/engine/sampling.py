@@ -40,6 +40,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
     penalty_prompt_ids: tuple[int, ...] = ()  # prompt ids the repetition penalty covers
+    start_index: int = 0  # tokens of this request generated before (a resumed request)
+    prior_output_ids: tuple[int, ...] = ()  # those tokens, for the penalties' counts
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -58,6 +60,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}")
+        if self.start_index < 0:
+            raise ValueError("start_index must be >= 0")
 
     @classmethod
     def from_wire(cls, s: m.Sampling, max_tokens: int) -> SamplingParams:
@@ -68,7 +72,8 @@ class SamplingParams:
                    presence_penalty=s.presence_penalty,
                    frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens,
                    ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids),
-                   logprobs=s.logprobs, penalty_prompt_ids=tuple(s.penalty_prompt_ids))
+                   logprobs=s.logprobs, penalty_prompt_ids=tuple(s.penalty_prompt_ids),
+                   start_index=s.start_index, prior_output_ids=tuple(s.prior_output_ids))
 
     @property
     def penalized(self) -> bool:
@@ -84,7 +89,9 @@ class Sampler:
     The RNG is re-seeded from (seed, index) for every token, so a request whose first token
     was sampled on a prefill worker continues on a decode worker exactly as it would have in
     one process: `sample()` records what it samples, and decode `accept()`s every token it
-    emits, which records the first one (sampled on prefill) and says when to stop.
+    emits, which records the first one (sampled on prefill) and says when to stop. For the
+    same reason a request resumed on other workers from prompt + its delivered tokens
+    (`start_index`, `prior_output_ids`) samples what the first workers would have.
     """
 
     def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = ()
@@ -94,8 +101,10 @@ class Sampler:
         self.generator = torch.Generator()
         self.eos = frozenset(eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
-        self.index = 0  # how many tokens this request has generated so far
-        self.counts: Counter[int] = Counter()  # generated token -> times (penalties)
+        # How many tokens this request has generated so far (a resumed request counts on
+        # from its first workers' tokens, which also start the penalties' counts).
+        self.index = params.start_index
+        self.counts: Counter[int] = Counter(params.prior_output_ids)
         self.last_logprobs: tuple[int, TokenLogprobs] | None = None
         self._just_sampled: int | None = None
 

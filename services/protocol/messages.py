@@ -97,6 +97,9 @@ class Code(enum.IntEnum):
     INTERNAL = 405
     REFUSED = 406  # a worker's own capacity gate refuses the request outright (static)
     INTERRUPTED = 407  # the gateway lost its control-plane connection mid-stream
+    # A worker serving the request died, was cut off, or drained with it still in flight:
+    # the gateway resumes the request on other workers from the tokens already delivered.
+    WORKER_LOST = 408
 
     @property
     def kind(self) -> Kind:
@@ -158,6 +161,14 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     # The prompt's distinct token ids, sent only when repetition_penalty != 1 (decode does
     # not see the prompt otherwise).
     penalty_prompt_ids: list[int] = []
+    # A resumed request (its first workers were lost): this many tokens of it were already
+    # generated and delivered, and are now the end of `prompt_ids`. The RNG's token index
+    # and `min_tokens` count on from here, so the continuation is the stream the first
+    # workers would have produced.
+    start_index: int = 0
+    # Those tokens, sent only when a penalty counts output tokens (presence, frequency,
+    # repetition): the sampler's counts start from them.
+    prior_output_ids: list[int] = []
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
@@ -181,6 +192,11 @@ class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     # Choices 1..n-1 of an `n` > 1 request: admitted all together with this one (choice 0)
     # or rejected with it, never some of them.
     choices: list[SubmitChoice] = []
+    # Workers admission must not place this request on: a resumed request's lost ones
+    # (their heartbeats may still be in admission's registry for up to a TTL).
+    avoid_workers: list[str] = []
+    # A resumed request: the id of the request it continues (logs and metrics only).
+    resumes: str = ""
 
 
 class SubmitChoice(msgspec.Struct, frozen=True, kw_only=True):
@@ -440,6 +456,10 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat"):
     # Decode: KV tokens its leases hold per tenant (admission's per-tenant KV share). Only
     # the gateway, admission and the tools user may read decode heartbeats (natsauth.py).
     tenant_tokens: dict[str, int] = {}
+    # What decides the bits this worker computes (services/engine/fingerprint.py): model
+    # file digest, engine path and kernel build, dtype, device. Admission pairs a prefill
+    # and a decode only when theirs are equal (empty: not announced).
+    fingerprint: str = ""
 
 
 class DataPlaneUnreachable(msgspec.Struct, frozen=True, kw_only=True, tag="unreachable"):

@@ -5,7 +5,14 @@ It owns: the NATS connection (reconnecting forever once connected), typed subscr
 service's HTTP port with `/health`, `/ready` and `/metrics` behind the HTTP edge (limits,
 timeouts, quiet parser errors: edge.py), periodic heartbeats, every background task
 (nothing fire-and-forget: tasks are kept in a set, cancelled and awaited on close), and an
-idempotent drain on SIGTERM/SIGINT.
+idempotent graceful drain on SIGTERM/SIGINT or `POST /drain`.
+
+Drain: the service stops taking new work at once (`on_drain_start` hooks: a draining
+heartbeat, admission's submit subscription gone, the gateway answering 503), waits up to
+`drain_timeout_s` for its in-flight requests (`track_inflight`) to finish, hands what is
+left on (`on_handoff`: a worker tells the gateway to resume each request elsewhere, the
+gateway ends its open streams), then runs the closing hooks (`on_drain`), flushes NATS and
+closes. The process then exits 0.
 
 A service whose config has a `metrics_port` (the gateway, whose HTTP port is the public
 API) serves `/metrics` and the details of `/health` and `/ready` on that second port
@@ -47,6 +54,7 @@ from pdmesh.services.runtime.config import ServiceConfig
 
 log = logging.getLogger("pdmesh.runtime")
 DRAIN_TIMEOUT_S = 3.0  # flushing NATS on shutdown; a dead server must not hold us longer
+DRAIN_POLL_S = 0.05  # how often a drain checks whether its in-flight requests are done
 T = TypeVar("T")
 
 
@@ -102,6 +110,9 @@ class ServiceRuntime:
         self._closed = asyncio.Event()
         self._drain_lock = asyncio.Lock()
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._drain_start_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._handoff_hooks: list[Callable[[], Awaitable[int]]] = []
+        self._inflight: list[Callable[[], int]] = []
         self._reconnect_hooks: list[Callable[[], None]] = []
         self.http_port = cfg.http_port
         self.edge_limits = edge.EdgeLimits.of(cfg)
@@ -118,6 +129,7 @@ class ServiceRuntime:
         details.router.add_get("/health", self._health)
         details.router.add_get("/ready", self._ready)
         details.router.add_get("/metrics", self._metrics)
+        details.router.add_post("/drain", self._drain_requested)
         self.bad_messages = Counter(
             "pdmesh:bad_messages_total", "Control messages that failed to decode",
             ["service", "subject"], registry=self.registry)
@@ -133,6 +145,18 @@ class ServiceRuntime:
                                  "3 closed", ["service"], registry=self.registry)
         self.nats_connected = Gauge("pdmesh:nats_connected", "1 while connected to NATS",
                                     ["service"], registry=self.registry)
+        self.drain_seconds = Gauge(
+            "pdmesh:drain_duration_seconds", "How long the drain under way has run, from its "
+            "start to its in-flight requests settling (set when they settle)", ["service"],
+            registry=self.registry)
+        self.drain_left = Counter(
+            "pdmesh:drain_handed_off_total", "Requests still in flight at the drain timeout, "
+            "handed on (a worker's to be resumed elsewhere)", ["service"],
+            registry=self.registry)
+        self.drain_cut = Counter(
+            "pdmesh:drain_cut_requests_total", "Requests a drain ended with an error instead "
+            "of finishing or handing them on (the gateway's streams open at the timeout)",
+            ["service"], registry=self.registry)
         self._set_state(ServiceState.STARTING)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -443,13 +467,70 @@ class ServiceRuntime:
             loop.add_signal_handler(sig, lambda s=sig: self.spawn(self.drain(f"signal {s.name}"),
                                                                   "drain"))
 
+    async def _drain_requested(self, _req: web.Request) -> web.Response:
+        """POST /drain (for orchestrators: a preStop hook): start the graceful drain."""
+        if self.state < ServiceState.DRAINING:
+            self.spawn(self.drain("POST /drain"), "drain")
+        return web.json_response({"state": "draining", "drain_timeout_s":
+                                  self.cfg.drain_timeout_s}, status=202)
+
+    def track_inflight(self, count: Callable[[], int]) -> None:
+        """`count()` says how many requests this service holds now; a drain waits for the
+        sum of all of them to reach 0 (or the drain timeout)."""
+        self._inflight.append(count)
+
+    def inflight(self) -> int:
+        return sum(count() for count in self._inflight)
+
+    def on_drain_start(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Register what stops new work at the start of a drain (before the wait)."""
+        self._drain_start_hooks.append(hook)
+
+    def on_handoff(self, hook: Callable[[], Awaitable[int]]) -> None:
+        """Register what hands on the requests still in flight at the drain timeout; it
+        returns how many it ended with an error rather than handed on (cut)."""
+        self._handoff_hooks.append(hook)
+
+    async def _settle(self, timeout_s: float) -> int:
+        """Wait until nothing is in flight or `timeout_s` passed; what is left."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        # Polled: the counts are each service's own state, read in one place.
+        while (left := self.inflight()) and loop.time() < until:  # noqa: ASYNC110
+            await asyncio.sleep(min(DRAIN_POLL_S, max(until - loop.time(), 0.0)))
+        return left
+
     async def drain(self, why: str = "requested") -> None:
-        """Idempotent: stop taking work, flush NATS, cancel and await every task, close HTTP."""
+        """Idempotent: stop taking work, let in-flight requests finish (up to the drain
+        timeout), hand on the rest, flush NATS, cancel and await every task, close HTTP."""
         async with self._drain_lock:
             if self.state >= ServiceState.DRAINING:
                 return
-            log.info("%s %s draining (%s)", self.role, self.worker_id, why)
+            held = self.inflight()
+            log.info("%s %s draining (%s): %d in flight, up to %gs", self.role,
+                     self.worker_id, why, held, self.cfg.drain_timeout_s)
             self._set_state(ServiceState.DRAINING)
+        started = time.monotonic()
+        for hook in list(self._drain_start_hooks):
+            try:
+                await hook()
+            except Exception:  # a failed hook must not stop the drain
+                log.exception("%s: drain hook failed", self.role)
+        left = await self._settle(self.cfg.drain_timeout_s) if self._inflight else 0
+        cut = 0
+        if left:
+            self.drain_left.labels(self.role).inc(left)
+            for handoff in list(self._handoff_hooks):
+                try:
+                    cut += await handoff()
+                except Exception:  # what it could not hand on is cut
+                    log.exception("%s: drain hand-off failed", self.role)
+            if cut:
+                self.drain_cut.labels(self.role).inc(cut)
+        took = time.monotonic() - started
+        self.drain_seconds.labels(self.role).set(took)
+        log.info("%s %s drained in %.2fs: %d in flight at its start, %d handed on, %d cut",
+                 self.role, self.worker_id, took, held, left - cut, cut)
         for hook in list(self._drain_hooks):
             with contextlib.suppress(Exception):
                 await hook()

@@ -275,6 +275,12 @@ SETTINGS: tuple[Setting, ...] = (
             "sooner by its heartbeats (--worker-ttl-s).", (GATEWAY, *WORKERS), check=positive),
     Setting("ticket_ttl_s", "--ticket-ttl-s", "PDMESH_TICKET_TTL_S", float, 30.0,
             "Lifetime of an admission ticket.", (ADMISSION,), check=positive),
+    Setting("drain_timeout_s", "--drain-timeout-s", "PDMESH_DRAIN_TIMEOUT_S", float, 30.0,
+            "Graceful drain (SIGTERM, or POST /drain on the service's own port): the service "
+            "takes no new work at once and lets its in-flight requests finish for at most "
+            "this long; a worker then hands what is left to the gateway to resume elsewhere "
+            "(`worker_lost`), the gateway ends its open streams; then it exits 0. Compose's "
+            "stop_grace_period is set above it.", ROLES, check=positive, up=True),
     Setting("nats_connect_timeout_s", "--nats-connect-timeout-s",
             "PDMESH_NATS_CONNECT_TIMEOUT_S", float, 10.0,
             "How long a service keeps trying to reach NATS at start before exiting.",
