@@ -9,6 +9,7 @@ ones, is answered in the OpenAI shape.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import logging
@@ -49,10 +50,11 @@ from pdmesh.services.engine.tokenizer import ChatTemplateError
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.config import GatewayConfig
-from pdmesh.services.runtime.service import ServiceRuntime, run_service
+from pdmesh.services.runtime.service import ServiceRuntime, ServiceState, run_service
 
 log = logging.getLogger("pdmesh.gateway")
 
+CUT_GRACE_S = 2.0  # at the drain timeout: how long the cut replies get to write their error
 _REJECT_STATUS = {
     m.Code.CONTEXT_LENGTH_EXCEEDED: (400, "context_length_exceeded"),
     m.Code.PROMPT_EXCEEDS_PREFILL_POOL: (400, "context_length_exceeded"),
@@ -91,6 +93,9 @@ class Gateway:
                                on_phase_timing=self.metrics.observe_phases,
                                eos_token_ids=self.tokenizer.eos_token_ids)
         self.version = _version()
+        self.generating = 0  # requests between their submit and their reply's end
+        self.rt.track_inflight(lambda: self.generating)
+        self.rt.on_handoff(self._cut_streams)
 
     # -- wiring -------------------------------------------------------------------------
     def routes(self, app: web.Application) -> None:
@@ -110,6 +115,25 @@ class Gateway:
         self.rt.spawn(self.liveness.watch(), "liveness-watch")
         await self.rt.subscribe_heartbeats(m.HEARTBEAT_WILDCARD, self._on_heartbeat)
         self.rt.mark_ready()
+
+    async def _cut_streams(self) -> int:
+        """Drain timeout: end every reply still open with an error event (the client may
+        retry elsewhere) rather than drop its connection; how many requests were cut."""
+        cut = self.generating
+        self.mesh.interrupt_all(f"the gateway is shutting down (--drain-timeout-s "
+                                f"{self.cfg.drain_timeout_s:g} passed); retry the request")
+        loop = asyncio.get_running_loop()
+        until = loop.time() + CUT_GRACE_S
+        while self.generating and loop.time() < until:  # noqa: ASYNC110 - a count, polled
+            await asyncio.sleep(0.05)
+        return cut
+
+    def _refuse_if_draining(self) -> None:
+        """A draining gateway takes no new request: 503 with Retry-After, so that a client
+        or load balancer goes to another replica."""
+        if self.rt.state >= ServiceState.DRAINING:
+            raise ApiError(503, "the gateway is draining; retry the request", type_="server_error",
+                           code="draining", retry_after_s=1.0)
 
     async def _close_tokenizers(self, _app: web.Application) -> None:
         self.tokenizers.close()
@@ -217,6 +241,7 @@ class Gateway:
             raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param=param)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_if_draining()
         tenant = self._auth(request)
         with self._validating(tenant):
             body = parse_completion(await request.read())
@@ -247,6 +272,7 @@ class Gateway:
         return ids
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        self._refuse_if_draining()
         tenant = self._auth(request)
         with self._validating(tenant):
             body = parse_chat(await request.read())
@@ -333,16 +359,19 @@ class Gateway:
             except ApiError as exc:
                 outcome = m.Outcome(code=m.Code.TENANT_LIMIT, detail=exc.message)
                 raise
+            self.generating += 1
             try:
                 async with self.mesh.submit(req, headers) as subs:
                     metrics.queue_time.labels(self.model_name).observe(time.monotonic() - t0)
-                    gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0)
+                    gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0,
+                                     req)
                     try:
                         outcome = await gen.run(subs)
                     finally:
                         outcome = gen.outcome or outcome  # also when run() raised 502/504
                     return gen.response
             finally:
+                self.generating -= 1
                 self.limiter.release(tenant.tenant_id, n)
         except MeshRejected as exc:
             status, code = _REJECT_STATUS.get(exc.outcome.code, (400, "invalid_request"))

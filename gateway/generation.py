@@ -9,11 +9,22 @@ in the stream; before that it is raised as an `ApiError` for the middleware.
 With `n` > 1 each choice is its own request through the mesh (its own submission, seed
 `seed + index`), read concurrently; their chunks interleave on one stream, each with its
 `index`. Every chunk and response is encoded with msgspec.
+
+A choice whose worker is lost (`messages.RESUMABLE`: it died, was cut off, or drained
+past its timeout) is resumed, up to MAX_RESUMES times: submitted again as the prompt plus
+the tokens this choice has delivered, for the rest of `max_tokens`, with the sampler's
+token index and counts carried on (`Sampling.start_index`, `prior_output_ids`) and the
+lost worker avoided; the new stream's tokens continue the client's, whose text state
+(stop-string hold-back included) never left the gateway. The engine's batch invariance
+and the per-index seeding make the continuation the tokens the first workers would have
+given (docs/DESIGN.md, "No admitted request lost").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,14 +32,27 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
-from pdmesh.gateway.mesh import ClientGone, MeshClient, MeshFailed, Submission, WorkerLiveness
+from pdmesh.gateway.mesh import (
+    ClientGone,
+    MeshClient,
+    MeshFailed,
+    MeshRejected,
+    MeshTooLarge,
+    MeshUnavailable,
+    Submission,
+    WorkerLiveness,
+)
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.schema import ApiError, ChatBody, CompletionBody, stop_list
 from pdmesh.gateway.tenants import Tenant
 from pdmesh.gateway.text import TextStream
 from pdmesh.services.engine.tokenizer import Tokenizer
 from pdmesh.services.protocol import messages as m
+from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.config import GatewayConfig
+
+log = logging.getLogger("pdmesh.gateway")
+MAX_RESUMES = 3  # a choice is resumed on other workers at most this many times
 
 # Request key: the SSE headers are out. aiohttp >= 3.14 has typed request keys and warns on
 # plain strings; older releases have neither.
@@ -71,6 +95,11 @@ class Choice:
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
     first_at: float | None = None
     last_at: float | None = None
+    origin: m.SubmitChoice | None = None  # the choice as first submitted
+    delivered: list[int] = field(default_factory=list)  # token ids the client has got
+    resumes: int = 0
+    lost: list[str] = field(default_factory=list)  # workers this choice lost
+    lost_at: float | None = None  # when the last loss was noticed (until its next token)
 
 
 class Generation:
@@ -78,9 +107,11 @@ class Generation:
 
     def __init__(self, gw: Serving, request: web.Request, tenant: Tenant,
                  body: CompletionBody | ChatBody, rid: str, prompt_len: int, chat: bool,
-                 t0: float) -> None:
+                 t0: float, submit: m.SubmitRequest) -> None:
         self.gw, self.request, self.tenant, self.body = gw, request, tenant, body
         self.rid, self.prompt_len, self.chat, self.t0 = rid, prompt_len, chat, t0
+        self.submit = submit  # what a resume submits again
+        self.resumed = contextlib.AsyncExitStack()  # the resumed choices' submissions
         self.created = int(time.time())
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.want_logprobs = body.logprobs_k is not None
@@ -110,8 +141,15 @@ class Generation:
     async def run(self, subs: list[Submission]) -> m.Outcome:
         gw = self.gw
         stops = stop_list(self.body)
-        self.choices = [Choice(i, sub, TextStream(gw.tokenizer, stops))
-                        for i, sub in enumerate(subs)]
+        req = self.submit
+        origins = [m.SubmitChoice(request_id=req.request_id, stream_key=req.stream_key,
+                                  sampling=req.sampling), *req.choices]
+        self.choices = [Choice(i, sub, TextStream(gw.tokenizer, stops), origin=origin)
+                        for i, (sub, origin) in enumerate(zip(subs, origins, strict=True))]
+        async with self.resumed:
+            return await self._run()
+
+    async def _run(self) -> m.Outcome:
         if self.body.stream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
@@ -153,12 +191,96 @@ class Generation:
         return self.outcome
 
     async def _read(self, c: Choice) -> None:
-        """Read one choice's token events to its end, streaming chunks as they come."""
+        """Read one choice's token events to its end, resuming it elsewhere when a worker
+        serving it is lost."""
+        while True:
+            try:
+                await self._read_stream(c)
+                return
+            except MeshFailed as exc:
+                if exc.code not in m.RESUMABLE:
+                    raise
+                await self._resume(c, exc)
+
+    async def _resume(self, c: Choice, exc: MeshFailed) -> None:
+        """Submit the choice again from the tokens it delivered, avoiding the lost worker;
+        raises MeshFailed (naming the loss and why no resume) when none can be made."""
+        gw, lost, old = self.gw, exc.outcome, c.sub
+        role = ("prefill" if lost.worker and lost.worker == old.prefill_worker
+                and lost.worker != old.decode_worker else "decode")
+        worker = lost.worker or (old.decode_worker if old.got_first_token
+                                 else old.prefill_worker)
+        c.lost.extend(w for w in (worker,) if w and w not in c.lost)
+        c.lost_at = time.monotonic()
+        await gw.mesh.let_go(old)  # the old workers free what they hold now
+        why = ""
+        if c.resumes >= MAX_RESUMES:
+            why = f"it was resumed {MAX_RESUMES} times already"
+        else:
+            c.resumes += 1
+            req = self._resubmission(c)
+            try:
+                # Without the fault header of a test mesh: it models the lost worker.
+                subs = await self.resumed.enter_async_context(gw.mesh.submit(req))
+            except MeshRejected as rej:
+                why = f"no worker could take it ({rej.outcome.label}: {rej.outcome.detail})"
+                gw.metrics.migration_failed.labels(gw.model_name, rej.outcome.label).inc()
+            except (MeshUnavailable, MeshTooLarge) as err:
+                why = f"admission did not take it: {err}"
+                gw.metrics.migration_failed.labels(gw.model_name, "no_workers").inc()
+            else:
+                sub = subs[0]
+                again = {sub.prefill_worker, sub.decode_worker} & set(c.lost)
+                if again:  # an admission that ignores avoid_workers
+                    await gw.mesh.let_go(sub)
+                    why = f"admission placed it on lost worker {sorted(again)[0]} again"
+                    gw.metrics.migration_failed.labels(gw.model_name, "no_workers").inc()
+            if not why:
+                sub.max_tokens, sub.tokens_out = old.max_tokens, len(c.delivered)
+                sub.cached_tokens = max(sub.cached_tokens, old.cached_tokens)
+                c.sub = sub
+                gw.metrics.migrated.labels(gw.model_name, role, lost.label).inc()
+                log.info("gateway: %s resumed as %s after %d tokens (%s lost: %s; now "
+                         "prefill %s, decode %s)", old.request_id, sub.request_id,
+                         len(c.delivered), role, lost.detail, sub.prefill_worker,
+                         sub.decode_worker)
+                return
+        log.warning("gateway: %s not resumed after losing %s: %s", old.request_id, worker,
+                    why)
+        raise MeshFailed(m.Outcome(code=lost.code, worker=lost.worker,
+                                   detail=f"{lost.detail}; not resumed: {why}"))
+
+    def _resubmission(self, c: Choice) -> m.SubmitRequest:
+        """The choice as a new request: prompt + what it delivered, the rest of max_tokens,
+        its sampler's state carried on, away from the workers it lost."""
+        req, origin = self.submit, c.origin
+        assert origin is not None
+        done = list(c.delivered)
+        sampling = origin.sampling
+        penalized = (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
+                     or sampling.frequency_penalty != 0.0)
+        sampling = msgspec.structs.replace(
+            sampling, start_index=sampling.start_index + len(done),
+            prior_output_ids=[*sampling.prior_output_ids, *done] if penalized else [])
+        return m.SubmitRequest(
+            request_id=f"{origin.request_id}-r{c.resumes}", tenant=req.tenant,
+            cache_salt=req.cache_salt, prompt_ids=[*req.prompt_ids, *done],
+            max_tokens=req.max_tokens - len(done), sampling=sampling,
+            stream_key=streamauth.new_key(), weight=req.weight, kv_share=req.kv_share,
+            avoid_workers=list(c.lost), resumes=origin.request_id)
+
+    async def _read_stream(self, c: Choice) -> None:
+        """Read the choice's current stream to its end, streaming chunks as they come."""
         gw = self.gw
         min_tokens = self.body.min_tokens
         async for ev in gw.mesh.tokens(c.sub, gw.cfg.prefill_stall_s, gw.cfg.request_timeout_s,
                                        self._alive, self._dead_worker):
             now = time.monotonic()
+            c.delivered.extend(ev.token_ids)
+            if c.lost_at is not None:
+                gw.metrics.migration_gap.labels(gw.model_name).observe(
+                    now - (c.last_at or c.lost_at))
+                c.lost_at = None
             if ev.decode_first_token_s is not None:
                 gw.metrics.observe_decode_first_token(ev.decode_first_token_s)
             if c.first_at is None:

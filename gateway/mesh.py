@@ -182,8 +182,10 @@ class Submission:
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation ...
     min_tokens: int = 0  # ... once this many are out
     first_token_id: int | None = None  # what prefill sampled (FirstTokenLogprobs)
-    tokens_out: int = 0  # tokens yielded so far
+    tokens_out: int = 0  # tokens yielded so far (a resumed choice's: its earlier ones too)
     overstepped: bool = False  # the gateway cut decode's stream (not a clean finish)
+    nats_sub: Any = None  # the token stream's subscription
+    released: bool = False  # `let_go` ran
 
 
 class MeshClient:
@@ -203,10 +205,14 @@ class MeshClient:
         (NATS core is at-most-once), so an in-flight stream could wait forever for a
         missing seq: end every in-flight request with a clean error instead; the abort that
         follows frees its pages everywhere."""
+        self.interrupt_all("control plane connection was interrupted; retry the request")
+
+    def interrupt_all(self, detail: str) -> int:
+        """End every in-flight stream with a clean error (`StreamInterrupted`); how many."""
         for sub in self._inflight.values():
-            sub.events.put_nowait(m.StreamInterrupted(
-                request_id=sub.request_id,
-                detail="control plane connection was interrupted; retry the request"))
+            sub.events.put_nowait(m.StreamInterrupted(request_id=sub.request_id,
+                                                      detail=detail))
+        return len(self._inflight)
 
     @contextlib.asynccontextmanager
     async def submit(self, req: m.SubmitRequest,
@@ -229,7 +235,8 @@ class MeshClient:
                 state = Submission(request_id=choice.request_id, events=asyncio.Queue(),
                                    max_tokens=req.max_tokens, stop_ids=stop_ids,
                                    min_tokens=req.sampling.min_tokens)
-                held.append((state, await self._listen(state, choice.stream_key)))
+                state.nats_sub = await self._listen(state, choice.stream_key)
+                held.append((state, state.nats_sub))
                 self._inflight[choice.request_id] = state
             try:
                 reply = await self.rt.request(m.SUBMIT_SUBJECT, req, m.SubmitReply,
@@ -256,8 +263,8 @@ class MeshClient:
                 state.prefill_worker = where.prefill_worker
             yield [state for state, _ in held]
         finally:
-            for state, nats_sub in held:
-                await self._let_go(state, nats_sub)
+            for state, _ in held:
+                await self.let_go(state)
 
     async def _listen(self, state: Submission, stream_key: str) -> Any:
         """Subscribe to the choice's token stream, taking only events MACed under its key."""
@@ -275,9 +282,14 @@ class MeshClient:
 
         return await self.rt.nc.subscribe(m.tokens_subject(state.request_id), cb=on_msg)
 
-    async def _let_go(self, sub_state: Submission, sub: Any) -> None:
-        """The choice's reply is over: stop listening (after prefill's timing, when it may
-        still come) and, unless it finished cleanly, tell every worker to let go."""
+    async def let_go(self, sub_state: Submission) -> None:
+        """The choice's reply is over (or it is resumed elsewhere): stop listening (after
+        prefill's timing, when it may still come) and, unless it finished cleanly, tell
+        every worker to let go. Idempotent."""
+        if sub_state.released:
+            return
+        sub_state.released = True
+        sub = sub_state.nats_sub
         self._inflight.pop(sub_state.request_id, None)
         if (sub_state.finished and not sub_state.timing_seen
                 and sub_state.prefill_worker != sub_state.decode_worker):
@@ -302,9 +314,10 @@ class MeshClient:
         generation runs as long as it moves): until the first token, the request ends when
         the mesh sent nothing for it (prefill's `PrefillProgress` comes at least every
         heartbeat) for `stall_s`; after it, when no event came for `idle_s`.
-        Raises RequestStalled (either), MeshFailed (a worker failed, or one serving this
-        request stopped heartbeating: `dead_worker`, as `WorkerLiveness.dead` judges it) or
-        ClientGone (`alive` turned false).
+        Raises RequestStalled (either), MeshFailed (a worker failed; or one serving this
+        request stopped heartbeating, as `dead_worker` (`WorkerLiveness.dead`) judges it:
+        `Code.WORKER_LOST`, which the caller may resume) or ClientGone (`alive` turned
+        false).
         Both are checked every `POLL_S` whether or not tokens are flowing: a client that
         leaves a non-streaming request (nothing is written to it until the end) or a worker
         killed mid-stream is noticed at once, not after max_tokens or a deadline.
@@ -328,7 +341,7 @@ class MeshClient:
                 # when the check's own drain brought in its events).
                 gone = await dead_worker(sub) if sub.events.empty() else ""
                 if gone and sub.events.empty():
-                    raise MeshFailed(m.Outcome(code=m.Code.PEER_RELEASED,
+                    raise MeshFailed(m.Outcome(code=m.Code.WORKER_LOST, worker=gone,
                                                detail=f"worker {gone} stopped heartbeating"))
             try:
                 ev = await asyncio.wait_for(sub.events.get(), max(next_check - now, 0.001))

@@ -114,6 +114,19 @@ class GatewayMetrics:
                              "Requests submitted and waiting for their first token "
                              "(admission queue, prefill, KV transfer)", ["model_name"],
                              registry=r)
+        self.migrated = Counter(
+            "pdmesh:requests_migrated_total", "Choices resumed on other workers after one "
+            "serving them was lost (from_role) by cause (worker_lost: died or cut off; "
+            "worker_drained: drained past its timeout)", ["model_name", "from_role", "cause"],
+            registry=r)
+        self.migration_failed = Counter(
+            "pdmesh:request_migrations_failed_total", "Resumes that could not be made "
+            "(reason: the rejection's or failure's code)", ["model_name", "reason"],
+            registry=r)
+        self.migration_gap = hist(
+            "migration_gap_seconds", "A resumed choice's gap: its last token (or the loss, "
+            "before any token) to its first token from the new workers",
+            buckets=PHASE_BUCKETS)
         self.running.labels(model_name)
         self.waiting.labels(model_name)
 

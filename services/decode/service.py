@@ -41,7 +41,7 @@ from pdmesh.services.protocol.capacity import decode_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime.config import DecodeConfig
-from pdmesh.services.runtime.service import counter_total
+from pdmesh.services.runtime.service import ServiceState, counter_total
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
 from pdmesh.transports import (
     ExpectedTransfer,
@@ -206,7 +206,7 @@ class DecodeService(WorkerBase):
             seen = self.prefill_seen.get(dreq.ticket.prefill_worker, dreq.reserved_at)
             if now - max(seen, dreq.reserved_at) > self.cfg.worker_ttl_s:
                 await self.end(dreq, m.Outcome(
-                    code=m.Code.PEER_RELEASED,
+                    code=m.Code.WORKER_LOST, worker=dreq.ticket.prefill_worker,
                     detail=f"prefill worker {dreq.ticket.prefill_worker} stopped heartbeating"))
             elif now - dreq.progress_at > self.cfg.prefill_stall_s:  # guard: progress-liveness
                 await self.end(dreq, m.Outcome(
@@ -260,6 +260,10 @@ class DecodeService(WorkerBase):
     def reserve(self, req: m.ReserveRequest) -> m.ReserveReply:
         t = req.ticket
         self.seen_requests.append(t.request_id)
+        if self.rt.state >= ServiceState.DRAINING:
+            # Sent before admission heard the draining heartbeat: it reserves elsewhere.
+            return self._refuse(t, "draining", m.Code.SATURATED,
+                                f"decode worker {self.cfg.worker_id} is draining")
         try:
             self.verifier.verify(t)
         except TicketError as exc:
@@ -307,6 +311,12 @@ class DecodeService(WorkerBase):
             self.transfers.labels(exc.reason.name.lower()).inc()
             if exc.reason is not Reason.ABORTED:
                 log.warning("KV transfer for %s failed: %s", dreq.request_id, exc)
+            if exc.reason is Reason.PEER_LOST:  # prefill died or was cut off: resumable
+                await self.end(dreq, m.Outcome(
+                    code=m.Code.WORKER_LOST, worker=dreq.ticket.prefill_worker,
+                    detail=f"prefill worker {dreq.ticket.prefill_worker} lost mid-transfer: "
+                    f"{exc}"))
+                return
             await self.end(dreq, m.Outcome(code=m.Code.TRANSFER_FAILED,
                                            detail=f"KV transfer failed: {exc}"))
             return
@@ -426,6 +436,14 @@ class DecodeService(WorkerBase):
                                f"after {dreq.progress_done}")
             return
         await self.end(dreq, peer_ending(msg.outcome, "released by peer: "))
+
+    async def hand_off(self) -> int:
+        """Drain timeout: free every lease still held (fenced as always) and tell each
+        request's gateway to resume it on another decode worker from the tokens it got."""
+        outcome = self.drained_outcome()
+        for dreq in list(self.requests.values()):
+            await self.end(dreq, outcome)
+        return 0
 
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
         dreq = self.requests.get(ab.request_id)

@@ -50,7 +50,7 @@ from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime.config import PrefillConfig
 from pdmesh.services.runtime.service import counter_total
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
-from pdmesh.transports import KVTransport, PagesReady, TransferError, TransferPlan
+from pdmesh.transports import KVTransport, PagesReady, Reason, TransferError, TransferPlan
 from pdmesh.transports.framing import transfer_key
 
 # What prefill does with a dispatch before its own gate (production: take it as it came;
@@ -317,6 +317,19 @@ class PrefillService(WorkerBase):
             return
         await self.rt.publish_authenticated(subject, msg, key)
 
+    async def hand_off(self) -> int:
+        """Drain timeout: end every prompt still here (as an abort would: its chunk stops,
+        its send ends, its lease is freed when the engine lets go) and tell decode to free
+        the reservation and the gateway to resume the request on another prefill worker."""
+        outcome = self.drained_outcome()
+        for job in list(self.queue.jobs.values()):
+            if job.lifecycle.finish(outcome):
+                if job.pages is not None:
+                    job.pages.fail(RuntimeError("drained"))
+                await self._give_up(job.dispatch, outcome, "drained")
+        self._work.set()
+        return 0
+
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
         job = self.queue.get(ab.request_id)
         if job is not None and job.lifecycle.finish(ab.outcome):
@@ -510,8 +523,14 @@ class PrefillService(WorkerBase):
                 await self._publish_timing(job, busy, exposed)
         except TransferError as exc:
             self.transfers.labels(exc.reason.name.lower()).inc()
-            self._fail_job(job, m.Code.TRANSFER_FAILED, f"KV transfer failed: {exc}",
-                           "transfer_failed")
+            if exc.reason is Reason.PEER_LOST:
+                # Decode died or was cut off mid-transfer: the gateway resumes elsewhere.
+                job.failure = job.failure or self._fail(
+                    life, m.Code.WORKER_LOST, f"decode worker {d.ticket.decode_worker} lost "
+                    f"mid-transfer: {exc}", "transfer_failed", worker=d.ticket.decode_worker)
+            else:
+                self._fail_job(job, m.Code.TRANSFER_FAILED, f"KV transfer failed: {exc}",
+                               "transfer_failed")
             if exc.unreachable:  # cannot connect, or cannot take a transfer now
                 unreachable = exc.detail
         except Exception as exc:
@@ -559,11 +578,11 @@ class PrefillService(WorkerBase):
             log.error("reporting unreachable decode %s failed: %s", d.ticket.decode_worker, exc)
 
     @staticmethod
-    def _fail(life: Lifecycle, code: m.Code, detail: str,
-              label: str) -> tuple[m.Outcome, str] | None:
+    def _fail(life: Lifecycle, code: m.Code, detail: str, label: str,
+              worker: str = "") -> tuple[m.Outcome, str] | None:
         """End the request as failed; what to tell decode and the client (None when an
         abort had already ended it: they know)."""
-        outcome = m.Outcome(code=code, detail=detail)
+        outcome = m.Outcome(code=code, detail=detail, worker=worker)
         return (outcome, label) if life.finish(outcome) else None
 
     async def _report_cached(self, d: m.PrefillDispatch, cached: int) -> None:

@@ -97,9 +97,11 @@ class Code(enum.IntEnum):
     INTERNAL = 405
     REFUSED = 406  # a worker's own capacity gate refuses the request outright (static)
     INTERRUPTED = 407  # the gateway lost its control-plane connection mid-stream
-    # A worker serving the request died, was cut off, or drained with it still in flight:
-    # the gateway resumes the request on other workers from the tokens already delivered.
+    # A worker serving the request died or was cut off (heartbeats or its data-plane
+    # connection lost), or drained with the request still in flight: the gateway resumes
+    # the request on other workers from the tokens already delivered (RESUMABLE).
     WORKER_LOST = 408
+    WORKER_DRAINED = 409
 
     @property
     def kind(self) -> Kind:
@@ -125,6 +127,7 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
 
     code: Code
     detail: str = ""
+    worker: str = ""  # RESUMABLE codes: the worker lost (the resumed request avoids it)
 
     @property
     def kind(self) -> Kind:
@@ -134,6 +137,9 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     def label(self) -> str:
         return self.code.label
 
+
+# The codes an admitted request is resumed after rather than failed (gateway/mesh.py).
+RESUMABLE: Final = frozenset({Code.WORKER_LOST, Code.WORKER_DRAINED})
 
 FINISHED_STOP: Final = Outcome(code=Code.STOP)
 FINISHED_LENGTH: Final = Outcome(code=Code.LENGTH)

@@ -279,7 +279,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Graceful drain (SIGTERM, or POST /drain on the service's own port): the service "
             "takes no new work at once and lets its in-flight requests finish for at most "
             "this long; a worker then hands what is left to the gateway to resume elsewhere "
-            "(`worker_lost`), the gateway ends its open streams; then it exits 0. Compose's "
+            "(`worker_drained`), the gateway ends its open streams; then it exits 0. Compose's "
             "stop_grace_period is set above it.", ROLES, check=positive, up=True),
     Setting("nats_connect_timeout_s", "--nats-connect-timeout-s",
             "PDMESH_NATS_CONNECT_TIMEOUT_S", float, 10.0,

@@ -29,7 +29,12 @@ from pdmesh.services.protocol.capacity import audit_capacity
 from pdmesh.services.protocol.errors import StartupError
 from pdmesh.services.protocol.tickets import TicketVerifier
 from pdmesh.services.runtime.config import WorkerConfig
-from pdmesh.services.runtime.service import ServiceRuntime, counter_total, run_service
+from pdmesh.services.runtime.service import (
+    ServiceRuntime,
+    ServiceState,
+    counter_total,
+    run_service,
+)
 from pdmesh.transports import KVTransport, make_service_transport, stop_ucx_notifier
 
 log = logging.getLogger("pdmesh.worker")
@@ -104,7 +109,15 @@ class WorkerBase:
             # would admit prompts it then fails (a 502 after admission, not a 400).
             raise ValueError(f"--max-context {cfg.max_context} exceeds the {model_context} "
                              f"positions model {cfg.model!r} supports; lower it")
-        self.configured_context = cfg.max_context or model_context
+        # Unset, the context is what both the model and the pool hold: the pool's default
+        # size then never makes a mismatch of its own (only a --max-context over the pool
+        # is one, caught below).
+        self.configured_context = cfg.max_context or min(model_context,
+                                                         self.pool.capacity_tokens)
+        if not cfg.max_context and self.pool.capacity_tokens < model_context:
+            log.info("%s %s: serving a context of %d tokens, the KV pool's (model %s "
+                     "supports %d; --kv-tokens and --max-context raise it)", cfg.role,
+                     cfg.worker_id, self.configured_context, self.model.name, model_context)
         self.served_context, self.mismatch = audit_capacity(
             self.configured_context, self.pool.capacity_tokens, cfg.on_capacity_mismatch,
             cfg.role)
@@ -144,6 +157,9 @@ class WorkerBase:
         await self.subscribe()
         await rt.serve_stats(self.stats, roles=tuple(
             r.value for r in self.advertised_roles or (self.role,)))
+        rt.on_drain_start(self._on_drain_start)
+        rt.track_inflight(self.active_requests)
+        rt.on_handoff(self.hand_off)
         rt.on_drain(self._on_drain)
         rt.every(self.cfg.heartbeat_s, self.heartbeat, "heartbeat")
         rt.extra_ready = self.data_plane_ready  # type: ignore[method-assign]
@@ -166,6 +182,20 @@ class WorkerBase:
         """Subclasses subscribe to their subjects here."""
         raise NotImplementedError
 
+    async def _on_drain_start(self) -> None:
+        """Admission stops routing here at once (its requests in flight carry on)."""
+        await self.heartbeat(draining=True)
+
+    async def hand_off(self) -> int:
+        """At the drain timeout: hand every request still here to the gateway to resume
+        elsewhere (`Code.WORKER_DRAINED`); how many could not be (cut). Subclasses."""
+        return 0
+
+    def drained_outcome(self) -> m.Outcome:
+        return m.Outcome(code=m.Code.WORKER_DRAINED, worker=self.cfg.worker_id, detail=(
+            f"{self.role.value} worker {self.cfg.worker_id} drained with the request in "
+            f"flight (--drain-timeout-s {self.cfg.drain_timeout_s:g})"))
+
     async def _on_drain(self) -> None:
         await self.heartbeat(draining=True)
         await self.transport.close()
@@ -185,6 +215,7 @@ class WorkerBase:
         return {}
 
     async def heartbeat(self, draining: bool = False) -> None:
+        draining = draining or self.rt.state >= ServiceState.DRAINING
         pool = self.pool
         self.pool_pages.labels("free").set(pool.num_free_pages)
         self.pool_pages.labels("leased").set(pool.num_leased_pages)

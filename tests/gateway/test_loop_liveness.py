@@ -56,7 +56,7 @@ async def _tokens(mesh: ScriptedMesh, rid: str) -> None:
 
 async def test_a_stalled_gateway_loop_does_not_fail_a_live_stream(scripted) -> None:
     """The loop blocks for 2x the TTL, twice, mid-stream: the stream must end with all its
-    tokens, not with `peer_released` ("worker dec-1 stopped heartbeating")."""
+    tokens, not with `worker_lost` ("worker dec-1 stopped heartbeating")."""
     gw, mesh = await scripted(_tokens)
     stream = asyncio.ensure_future(_stream(gw))
     for _ in range(2):
@@ -107,7 +107,7 @@ async def test_a_pause_of_the_whole_machine_blames_no_worker(scripted) -> None:
 async def test_a_worker_that_stops_heartbeating_still_fails_its_request(scripted) -> None:
     """decode goes silent (no heartbeat, no token) mid-stream while prefill keeps
     heartbeating: the gateway, which heard heartbeats all along, ends the stream with
-    `peer_released` naming decode about a TTL later (not after --request-timeout-s)."""
+    `worker_lost` naming decode about a TTL later (not after --request-timeout-s)."""
     silent_at: list[float] = []
 
     async def goes_silent(mesh: ScriptedMesh, rid: str) -> None:
@@ -121,7 +121,7 @@ async def test_a_worker_that_stops_heartbeating_still_fails_its_request(scripted
     status, events = await _stream(gw)
     ended_after = time.monotonic() - silent_at[0]
     assert status == 200
-    assert b'"code":"peer_released"' in events[-1] and DECODE.encode() in events[-1], events
+    assert b'"code":"worker_lost"' in events[-1] and DECODE.encode() in events[-1], events
     assert TTL_S - 0.1 < ended_after < TTL_S + 2.0, ended_after
     await asyncio.sleep(0.2)
     assert mesh.aborts  # the gateway told the mesh to let go
@@ -130,7 +130,7 @@ async def test_a_worker_that_stops_heartbeating_still_fails_its_request(scripted
 async def test_workers_that_all_stop_heartbeating_still_fail_the_request(scripted) -> None:
     """Every worker goes silent mid-stream (a colocated mesh's one worker killed): hearing
     nobody is no reason to wait for --request-timeout-s, the gateway's loop kept up, so the
-    stream ends with `peer_released` about a TTL later."""
+    stream ends with `worker_lost` about a TTL later."""
     silent_at: list[float] = []
 
     async def all_silent(mesh: ScriptedMesh, rid: str) -> None:
@@ -144,5 +144,5 @@ async def test_workers_that_all_stop_heartbeating_still_fail_the_request(scripte
     status, events = await _stream(gw)
     ended_after = time.monotonic() - silent_at[0]
     assert status == 200
-    assert b'"code":"peer_released"' in events[-1], events
+    assert b'"code":"worker_lost"' in events[-1], events
     assert TTL_S - 0.1 < ended_after < TTL_S + 2.0, ended_after
