@@ -50,6 +50,7 @@ PHASE_LINGER_S = 2.0  # a finished request's stream waits this long for prefill'
 LOOP_LAG_S = 0.5  # a loop tick this late: the gateway was not processing its messages
 FLUSH_TIMEOUT_S = 1.0  # the round trip that reads what NATS already sent, before a verdict
 DRAIN_YIELDS = 3  # loop turns given to queued heartbeat callbacks after that round trip
+MAX_HEARD = 4096  # worker ids remembered for liveness before the silent ones are forgotten
 
 
 class MeshRejected(Exception):
@@ -129,6 +130,22 @@ class WorkerLiveness:
         self.rt, self.registry, self.ttl_s = rt, registry, ttl_s
         self.lagged_at = -math.inf  # ... of the last tick of watch() found late
         self.ticked_at = time.monotonic()
+        # Worker id -> when its last heartbeat arrived, whatever it said: a draining or
+        # not-ready worker (which the capacity registry drops at once) is still alive and
+        # still serving what it holds.
+        self.heard: dict[str, float] = {}
+
+    def observe(self, beat: m.Heartbeat) -> None:
+        self.heard[beat.worker_id] = time.monotonic()
+        if len(self.heard) > MAX_HEARD:  # forget the long silent (ids of past workers)
+            now = time.monotonic()
+            self.heard = {w: t for w, t in self.heard.items() if now - t <= self.ttl_s}
+
+    def _silent(self, worker: str) -> bool:
+        """No heartbeat from `worker` within the TTL (draining or not)."""
+        heard = self.heard.get(worker)
+        return (heard is None or time.monotonic() - heard > self.ttl_s) and (
+            self.registry.get(worker) is None)
 
     async def watch(self) -> None:
         """Tick every POLL_S; remember when a tick came late (the loop was stalled)."""
@@ -147,7 +164,7 @@ class WorkerLiveness:
 
     async def dead(self, workers: Iterable[str]) -> str:
         """The first of `workers` that stopped heartbeating, or "" (none, or no verdict)."""
-        stale = [w for w in workers if w and self.registry.get(w) is None]
+        stale = [w for w in workers if w and self._silent(w)]
         if not stale:
             return ""
         try:
@@ -159,7 +176,7 @@ class WorkerLiveness:
         if not self.listening(time.monotonic()):  # guard: liveness-listening
             return ""
         for worker in stale:
-            if self.registry.get(worker) is None:  # guard: dead-worker
+            if self._silent(worker):  # guard: dead-worker
                 return worker
         return ""
 
