@@ -141,7 +141,7 @@ class Gateway:
     async def _on_heartbeat(self, beat: m.Heartbeat, _msg: Any) -> None:
         if beat.role in (m.Role.PREFILL, m.Role.DECODE):
             self.registry.observe(beat)
-            self.liveness.observe(beat)
+            self.liveness.observe(beat)  # guard: liveness-hears-draining
 
     def _workers_ready(self) -> bool:
         return bool(self.registry.views(m.Role.PREFILL)) and bool(

@@ -559,6 +559,22 @@ MUTATIONS = [
              (ISO + "test_worker_loss.py::test_decode_killed_mid_stream",
               "tests/gateway/test_loop_liveness.py::"
               "test_a_worker_that_stops_heartbeating_still_fails_its_request")),
+    Mutation("resume-carries-state", "a resumed choice samples on from its sampler's token "
+             "index (and counts): the continuation is the stream the lost workers would have "
+             "given",
+             (Expr("resume-carries-state", "sampling.start_index + len(done)",
+                   "sampling.start_index"),),
+             ("tests/gateway/test_drain_resume.py::"
+              "test_a_lost_workers_choice_resumes_from_the_tokens_it_delivered",
+              ISO + "test_worker_loss.py::test_decode_killed_mid_stream")),
+    Mutation("resume-avoids-lost", "a choice is never resumed onto the worker it lost",
+             (Condition("resume-avoids-lost", "False"),),
+             ("tests/gateway/test_drain_resume.py::"
+              "test_a_choice_is_not_resumed_onto_the_worker_it_lost",)),
+    Mutation("liveness-hears-draining", "a draining worker is alive: its streams finish "
+             "there (they are not resumed elsewhere as if it had died)",
+             (Delete("liveness-hears-draining"),),
+             (ISO + "test_drain.py::test_sigterm_lets_the_stream_finish_then_exits_0",)),
     Mutation("abort-on-disconnect", "a client that leaves aborts its request across the mesh",
              (Condition("abort-on-disconnect", "False"),),
              ("tests/gateway/test_disconnect.py",)),

@@ -426,6 +426,8 @@ class Stream:
     error: dict | None = None
     finish_reason: str | None = None
     ended_at: float = 0.0
+    last_text_at: float = 0.0
+    max_gap_s: float = 0.0  # the longest wait between two text chunks (a resume's gap)
 
     def read_event(self) -> dict | None:
         """The next data event (None at [DONE] or the end of the body)."""
@@ -442,6 +444,11 @@ class Stream:
             if "error" in event:
                 self.error = event["error"]
             for choice in event.get("choices") or []:
+                if choice.get("text"):
+                    now = time.monotonic()
+                    if self.last_text_at:
+                        self.max_gap_s = max(self.max_gap_s, now - self.last_text_at)
+                    self.last_text_at = now
                 self.text += choice.get("text") or ""
                 self.finish_reason = choice.get("finish_reason") or self.finish_reason
             return event
