@@ -231,7 +231,8 @@ class Generation:
             else:
                 sub = subs[0]
                 again = {sub.prefill_worker, sub.decode_worker} & set(c.lost)
-                if again:  # guard: resume-avoids-lost (an admission that ignores the list)
+                # An admission that ignores avoid_workers.
+                if again:  # guard: resume-avoids-lost
                     await gw.mesh.let_go(sub)
                     why = f"admission placed it on lost worker {sorted(again)[0]} again"
                     gw.metrics.migration_failed.labels(gw.model_name, "no_workers").inc()
@@ -259,8 +260,8 @@ class Generation:
         sampling = origin.sampling
         penalized = (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
                      or sampling.frequency_penalty != 0.0)
-        sampling = msgspec.structs.replace(  # guard: resume-carries-state
-            sampling, start_index=sampling.start_index + len(done),
+        sampling = msgspec.structs.replace(
+            sampling, start_index=sampling.start_index + len(done),  # guard: resume-carries-state
             prior_output_ids=[*sampling.prior_output_ids, *done] if penalized else [])
         return m.SubmitRequest(
             request_id=f"{origin.request_id}-r{c.resumes}", tenant=req.tenant,

@@ -7,7 +7,9 @@ prompt lengths, a share of over-capacity prompts (must get HTTP 400
 against a mesh started with `PDMESH_ALLOW_FAULTS=1 PDMESH_FAULTS=request_faults`, a share of
 requests carrying `X-Pdmesh-Fault: <name>`. Every served greedy reply must equal the
 single-process reference engine's output for its prompt (partial replies: a prefix of it),
-and no reply may carry another tenant's marker.
+and no reply may carry another tenant's marker. With `--nats-url`, the oracle's engine
+fingerprint is first compared with the one every worker announces in its heartbeats
+(`fingerprints.py`): a mesh that computes other bits than the oracle is not judged.
 
 Prints and saves (JSON in --output-dir) requests served, rejected, aborted, failed, faults
 injected and how each ended, and oracle mismatches. The results file is readable by its
@@ -16,8 +18,9 @@ owner only (0600) and holds no credential: of the API keys only their number and
 masked by `services/runtime/redact.py` (the keys are registered with it).
 
 Exit status: 0 ok; 1 a correctness failure (oracle mismatch, marker leak, over-capacity
-prompt not refused with 400, valid prompt refused); 2 bad arguments or target unreachable;
-130 interrupted (partial figures saved).
+prompt not refused with 400, valid prompt refused); 2 bad arguments, target unreachable, or
+an oracle that cannot judge the target (another model or engine fingerprint); 130
+interrupted (partial figures saved).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from pdmesh.loadtest.client import (
     model_info,
 )
 from pdmesh.loadtest.report import format_block, format_row
+from pdmesh.loadtest.soak.fingerprints import check_fingerprints, oracle_fingerprint, refusal
 from pdmesh.loadtest.soak.pool import check_pools
 from pdmesh.loadtest.soak.verdict import Tally, judge
 from pdmesh.loadtest.soak.workload import (
@@ -113,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="soak-results")
     p.add_argument("--label", default="", help="file name stem (default soak-<date>)")
     p.add_argument("--nats-url", default="",
-                   help="the mesh's NATS: after the run, check that every KV lease came back "
+                   help="the mesh's NATS: before the run, check that the workers announce the "
+                        "oracle's engine fingerprint; after it, that every KV lease came back "
                         "and every pool passes its integrity check (the mesh must be idle)")
     p.add_argument("--pool-settle", type=float, default=10.0,
                    help="seconds to wait for the leases to come back")
@@ -356,6 +361,18 @@ async def _amain(args: argparse.Namespace) -> int:
               f"{oracle.max_context}: is the mesh serving {args.oracle_model!r}?",
               file=sys.stderr)
         return EXIT_USAGE
+    builds: dict = {"checked": False, "error": "no --nats-url given"}
+    if args.nats_url:
+        builds = await check_fingerprints(args.nats_url,
+                                          oracle_fingerprint(oracle, args.oracle_model))
+        refused = refusal(builds)
+        if refused:
+            oracle.close()
+            print(f"pdmesh soak: refusing to judge: {refused}", file=sys.stderr)
+            return EXIT_USAGE
+        if builds["unannounced"] and not args.quiet:
+            print(f"soak: not checked against the oracle's engine fingerprint (none "
+                  f"announced): {', '.join(builds['unannounced'])}", file=sys.stderr)
     stop = asyncio.Event()
     install_stop_handlers(stop)
     soak = Soak(args, workload, oracle, model, stop)
@@ -392,6 +409,7 @@ async def _amain(args: argparse.Namespace) -> int:
         "elapsed_s": elapsed, "stopped_by": soak.stopped_by,
         "tenants": {t.name: t.marker_id for t in workload.tenants},
         "oracle_computed": oracle.computed, "oracle_cache_hits": oracle.cache_hits,
+        "fingerprints": builds,
         **summary,
         "config": public_config(args),
         "workload": {k: v for k, v in asdict(workload).items() if k != "tenants"},

@@ -3,6 +3,13 @@
 It runs before anything is allocated anywhere. A rejection is a terminal value of its own
 (`Rejected`), not a flavour of success, so the caller cannot hand it to a function that
 reserves or dispatches (those take an `Admitted`).
+
+A prefill and a decode are paired only when their engine fingerprints are equal
+(`services/engine/fingerprint.py`: model file, decode path and kernel build, torch, dtype,
+device): two workers that would compute different bits never serve one request. An empty
+fingerprint (a worker that announces none) pairs only with another empty one: it says
+nothing of the worker's bits, so it cannot be shown to match a known build, while a mesh
+of workers that all announce none keeps working as before.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class WorkerView:
     # Prefill: leading tokens of *this* request (under its tenant's salt) that the worker's
     # prefix cache holds, from its heartbeat summary (CapacityRegistry.views).
     cached_prefix_tokens: int = 0
+    fingerprint: str = ""  # what decides its bits (Heartbeat.fingerprint; "": not announced)
 
 
 @dataclass(frozen=True)
@@ -117,13 +125,44 @@ def context_rejection(prompt_len: int, max_tokens: int, context: int) -> Rejecte
                     f"{max_tokens} for the completion).", limit=context)
 
 
+def paired_groups(prefills: list[WorkerView], decodes: list[WorkerView]
+                  ) -> list[tuple[list[WorkerView], list[WorkerView]]]:
+    """(prefills, decodes) of each engine fingerprint that both roles have: the only pairs
+    that compute the same bits. Workers of a fingerprint the other role lacks are left out."""
+    groups: dict[str, tuple[list[WorkerView], list[WorkerView]]] = {}
+    for side, views in enumerate((prefills, decodes)):
+        for v in views:
+            groups.setdefault(v.fingerprint, ([], []))[side].append(v)  # guard: fingerprint-pairing
+    return [(p, d) for p, d in groups.values() if p and d]
+
+
+def mismatch_rejection(prefills: list[WorkerView], decodes: list[WorkerView]) -> Rejected:
+    """NO_WORKERS: live prefill and decode workers, but no pair with equal fingerprints."""
+
+    def named(views: list[WorkerView]) -> str:
+        prints = sorted({v.fingerprint or "(none announced)" for v in views})
+        more = f" and {len(prints) - MISMATCH_SHOWN} more" if len(prints) > MISMATCH_SHOWN else ""
+        return ", ".join(prints[:MISMATCH_SHOWN]) + more
+
+    return Rejected(Code.NO_WORKERS,
+                    "engine fingerprint mismatch: no live prefill and decode worker compute "
+                    f"the same bits (prefill: {named(prefills)}; decode: {named(decodes)}); "
+                    "a mesh's workers must run one model file, kernel build, torch, dtype "
+                    "and device")
+
+
+MISMATCH_SHOWN = 3  # distinct fingerprints a mismatch rejection names per role
+
+
 def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
            decodes: list[WorkerView], spread: str = "") -> Admitted | Rejected:
     """Admit to the least-loaded pair that can hold the request now, or reject with a reason.
-    The prefill worker is the one with the least work ahead of this request's first token
+    Only workers of one engine fingerprint pair (`paired_groups`); within each group the
+    prefill worker is the one with the least work ahead of this request's first token
     (`prefill_cost`: queue depth less its cached prefix of this request), the decode
     worker the one with the most free KV, then the fewest requests in flight; among equals
-    the order is `tie_break(spread, worker)` (admission passes the request id).
+    the order is `tie_break(spread, worker)` (admission passes the request id). With
+    several groups (a mesh during an upgrade), the pair with the most free decode KV wins.
 
     Order of checks matters for the message a client sees: static limits (context, pool
     sizes) first, so an over-long prompt is always `context_length_exceeded`-class and
@@ -136,6 +175,24 @@ def decide(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
     if not prefills or not decodes:
         return Rejected(Code.NO_WORKERS,
                         "no live prefill or decode worker; try again shortly")
+    groups = paired_groups(prefills, decodes)
+    if not groups:
+        return mismatch_rejection(prefills, decodes)
+    decisions = [_decide_within(prompt_len, max_tokens, p, d, spread) for p, d in groups]
+    admitted = [x for x in decisions if isinstance(x, Admitted)]
+    if admitted:
+        return min(admitted, key=lambda a: (-a.decode.available_tokens, a.decode.queue_depth,
+                                            prefill_cost(prompt_len, a.prefill),
+                                            tie_break(spread, a.decode.worker_id)))
+    rejections = [x for x in decisions if isinstance(x, Rejected)]
+    # A busy group may take it later (the caller waits); otherwise the group closest to
+    # holding it says why not.
+    return min(rejections, key=lambda r: (r.reason is not Code.SATURATED, -r.limit))
+
+
+def _decide_within(prompt_len: int, max_tokens: int, prefills: list[WorkerView],
+                   decodes: list[WorkerView], spread: str) -> Admitted | Rejected:
+    """`decide` among workers of one fingerprint (both lists non-empty)."""
     total = prompt_len + max_tokens
     # Decode holds prompt + every generated token; prefill holds the prompt.
     context = max(max(d.served_context for d in decodes), 0)

@@ -9,6 +9,8 @@ capacity from here, never from configuration (invariant I5). Between heartbeats 
 charges its own reservations against the cached free figure (and queue depth) so a burst of
 requests does not all pick the same worker on a stale view.
 
+Each view carries the worker's engine fingerprint, by which `policy.decide` pairs workers.
+
 Prefix-cache routing: prefill heartbeats carry chain hashes of cached prefixes
 (`kvstore.prefix_key`); `views(..., cache_salt=, prompt_ids=)` turns them into each worker's
 cached prefix length *for this request under its tenant's salt*. Only hashes are compared
@@ -18,7 +20,7 @@ here: a collision can misroute, never leak (the worker matches token ids under t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from pdmesh.kvstore.prefix_key import aligned_prefix_hashes
@@ -109,13 +111,17 @@ class CapacityRegistry:
                    for (role, _), e in self._workers.items() if role is m.Role.DECODE)
 
     def views(self, role: m.Role, now: float | None = None, *, cache_salt: str = "",
-              prompt_ids: Sequence[int] = ()) -> list[WorkerView]:
+              prompt_ids: Sequence[int] = (), avoid: Collection[str] = ()
+              ) -> list[WorkerView]:
         """Live views of one role's workers; with `cache_salt` and `prompt_ids`, each
-        prefill view says how much of this prompt its prefix cache holds for that salt."""
+        prefill view says how much of this prompt its prefix cache holds for that salt.
+        `avoid`: workers left out whatever their heartbeats say (a resumed request's lost
+        workers, whose last heartbeats stay here for up to the TTL)."""
         self.expire(now)
         now = time.monotonic() if now is None else now
         entries = [e for e in self._workers.values()
                    if e.beat.role is role
+                   and e.beat.worker_id not in avoid  # guard: avoid-workers
                    and not self.is_set_aside(e.beat, now)]  # guard: unreachable-set-aside
         cached = self._cached_prefixes(entries, cache_salt, prompt_ids)
         out = []
@@ -126,7 +132,8 @@ class CapacityRegistry:
                                   page_tokens=max(b.page_tokens, 1),
                                   served_context=b.served_context,
                                   queue_depth=b.queue_depth + e.charged_requests,
-                                  cached_prefix_tokens=cached.get(b.worker_id, 0)))
+                                  cached_prefix_tokens=cached.get(b.worker_id, 0),
+                                  fingerprint=b.fingerprint))
         return out
 
     @staticmethod

@@ -4,7 +4,14 @@ Request lifecycle as admission sees it:
   RECEIVED -> (policy.decide) -> REJECTED (terminal: reply 4xx, no worker hears of it)
                               -> ADMITTED -> reserve on decode -> RESERVED -> dispatch prefill
 A failed reservation ends the request as REJECTED(SATURATED) after at most one other try; a
-dispatch is published only with a reservation in hand.
+dispatch is published only with a reservation in hand. A request is never placed on a worker
+its submit avoids (`avoid_workers`), nor on a prefill and a decode whose engine
+fingerprints differ (policy.py).
+
+Drain (SIGTERM, POST /drain): admission leaves the submit queue group at once, so NATS hands
+new submits to the other admission replicas; the submits it holds carry on (the runtime
+waits up to `drain_timeout_s` for them), and those still waiting for capacity at the drain
+timeout are answered SATURATED with a Retry-After, not left to the gateway's timeout.
 """
 
 from __future__ import annotations
@@ -15,11 +22,12 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Histogram
 
 from pdmesh.kvstore.spec import pages_for
@@ -38,7 +46,12 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth, tickets
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime.config import AdmissionConfig
-from pdmesh.services.runtime.service import ServiceRuntime, counter_total, run_service
+from pdmesh.services.runtime.service import (
+    DRAIN_POLL_S,
+    ServiceRuntime,
+    counter_total,
+    run_service,
+)
 
 log = logging.getLogger("pdmesh.admission")
 
@@ -56,6 +69,11 @@ class AdmissionService:
         self._wake = asyncio.Event()
         self._beats = 0  # heartbeats seen: a waiter re-asks decodes that refused it after one
         self.line = FairQueue()
+        # The submit subscription (in the admission queue group), until a drain starts.
+        self._submits: Subscription | None = None
+        self._submits_in_flight = 0  # submits being decided or answered now
+        self._cutting = False  # the drain timed out: waiting submits are answered now
+        self.cut_submits = 0  # submits a drain answered SATURATED while they waited
         r = self.rt.registry
         self.decisions = Counter("pdmesh:admission_decisions_total", "Admission decisions",
                                  ["outcome"], registry=r)
@@ -77,8 +95,11 @@ class AdmissionService:
         await rt.start_http()
         await rt.connect()
         await rt.subscribe_heartbeats(m.HEARTBEAT_WILDCARD, self._on_heartbeat)
-        await rt.subscribe(m.SUBMIT_SUBJECT, m.SubmitRequest, self._on_submit,
-                           queue="admission")
+        self._submits = await rt.subscribe(m.SUBMIT_SUBJECT, m.SubmitRequest, self._on_submit,
+                                           queue="admission")
+        rt.on_drain_start(self._leave_submit_queue)
+        rt.track_inflight(lambda: self._submits_in_flight)
+        rt.on_handoff(self._cut_waiting)
         # Every admission instance hears these (no queue group): each keeps its own registry.
         await rt.subscribe(m.UNREACHABLE_SUBJECT, m.DataPlaneUnreachable, self._on_unreachable,
                            concurrent=False)
@@ -114,11 +135,55 @@ class AdmissionService:
 
     # -- the decision -----------------------------------------------------------------
     async def _on_submit(self, req: m.SubmitRequest, msg: Msg) -> None:
-        t0 = time.perf_counter()
-        reply = await self.handle(req, msg.headers or {})
-        outcome = "admitted" if isinstance(reply, m.Admitted) else "rejected"
-        self.decision_seconds.labels(outcome).observe(time.perf_counter() - t0)
-        await self.rt.respond(msg, reply)
+        with self._in_flight():
+            t0 = time.perf_counter()
+            reply = await self.handle(req, msg.headers or {})
+            outcome = "admitted" if isinstance(reply, m.Admitted) else "rejected"
+            self.decision_seconds.labels(outcome).observe(time.perf_counter() - t0)
+            await self.rt.respond(msg, reply)
+
+    @property
+    def taking_submits(self) -> bool:
+        """Whether this admission is in the submit queue group (until a drain starts)."""
+        return self._submits is not None
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """A submit from its arrival to its answer: what a drain waits for."""
+        self._submits_in_flight += 1
+        try:
+            yield
+        finally:
+            self._submits_in_flight -= 1
+
+    # -- drain ------------------------------------------------------------------------
+    async def _leave_submit_queue(self) -> None:
+        """Drain start: no new submits here. Draining the subscription (not unsubscribing)
+        sends NATS the unsubscribe, then handles the submits already delivered to this
+        process, so none is dropped; NATS gives the next ones to the queue group's other
+        members."""
+        sub, self._submits = self._submits, None
+        if sub is not None:
+            try:
+                await asyncio.wait_for(sub.drain(), SUBMIT_QUEUE_LEAVE_S)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("admission %s: leaving the submit queue: %r", self.cfg.worker_id,
+                            exc)
+
+    async def _cut_waiting(self) -> int:
+        """At the drain timeout: answer every submit still waiting for capacity now
+        (SATURATED, with a Retry-After: another admission replica may take it), and let
+        those past their decision (reserving, dispatching) finish, for up to a reserve
+        timeout. Returns how many were answered so."""
+        before = self.cut_submits
+        self._cutting = True
+        self._wake.set()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.cfg.reserve_timeout_s + CUT_GRACE_S
+        # Polled, as the runtime's drain polls: the count is this service's own state.
+        while self._submits_in_flight and loop.time() < until:  # noqa: ASYNC110
+            await asyncio.sleep(DRAIN_POLL_S)
+        return self.cut_submits - before
 
     async def handle(self, req: m.SubmitRequest,
                      headers: Mapping[str, str] | None = None) -> m.SubmitReply:
@@ -150,6 +215,7 @@ class AdmissionService:
         deadline = loop.time() + self.cfg.queue_timeout_s
         waiter = self.line.enter(req.tenant, float(_need_tokens(req)), req.weight, item=req)
         served = False
+        avoid = frozenset(req.avoid_workers)
         tried: set[str] = set()
         beats = self._beats
         attempts = 0  # admission attempts made for this request
@@ -157,6 +223,11 @@ class AdmissionService:
         refusal = Rejected(m.Code.SATURATED, "no decode worker could reserve the KV pages")
         try:
             while True:
+                if self._cutting:  # the drain timed out with this submit still waiting
+                    self.cut_submits += 1
+                    return self._reject(req, Rejected(
+                        m.Code.SATURATED, f"admission {self.cfg.worker_id} is shutting down; "
+                        "retry", retry_after_s=RETRY_AFTER_S))
                 over = self._over_share(req)
                 if over is not None:
                     decision = over
@@ -167,12 +238,17 @@ class AdmissionService:
                     # Cache-aware: each prefill's view says how much of this tenant's
                     # prompt it holds.
                     prefills = self.registry.views(m.Role.PREFILL, cache_salt=req.cache_salt,
-                                                   prompt_ids=req.prompt_ids)
-                    decodes = [d for d in self.registry.views(m.Role.DECODE)
+                                                   prompt_ids=req.prompt_ids, avoid=avoid)
+                    decodes = [d for d in self.registry.views(m.Role.DECODE, avoid=avoid)
                                if d.worker_id not in tried]
                     if not tried or decodes:
                         decision = self.policy.decide(  # guard: admission-decides
                             req, prefills, decodes, headers)
+                        if (tried and isinstance(decision, Rejected)
+                                and decision.reason is m.Code.NO_WORKERS):
+                            # The decodes left pair with no prefill (other fingerprints):
+                            # those that do refused just now, as below.
+                            decision = refusal
                     else:  # every live decode refused: its refusal is the answer
                         decision = refusal
                     if isinstance(decision, Admitted):
@@ -194,7 +270,7 @@ class AdmissionService:
                             m.Code.SATURATED, f"decode worker {reply.worker_id or '(any)'} "
                             f"could not reserve the KV pages: {reply.why}")
                     elif decision.reason is not m.Code.SATURATED:
-                        return self._reject(req, decision)
+                        return self._reject(req, _naming_avoided(decision, avoid))
                 if loop.time() >= deadline:
                     return self._reject(req, decision)
                 self._wake.clear()
@@ -376,6 +452,8 @@ class AdmissionService:
 
 
 RETRY_AFTER_S = 1.0  # the Retry-After of a saturated mesh or a tenant at its KV share
+SUBMIT_QUEUE_LEAVE_S = 2.0  # a drain's bound on leaving the submit queue group
+CUT_GRACE_S = 1.0  # at the drain timeout, beyond a reserve timeout, for answers to go out
 MAX_CHOICES = 128  # choices one submit may carry (the gateway's --max-n is far below)
 
 
@@ -388,6 +466,14 @@ class _Held:
     ticket: m.AdmittedTicket
     data_key: str
     reservation: m.Reservation
+
+
+def _naming_avoided(rej: Rejected, avoid: frozenset[str]) -> Rejected:
+    """A NO_WORKERS rejection of a submit that avoids workers says so."""
+    if rej.reason is not m.Code.NO_WORKERS or not avoid:
+        return rej
+    shown = ", ".join(sorted(avoid)[:4]) + (", ..." if len(avoid) > 4 else "")
+    return dataclasses.replace(rej, message=f"{rej.message} (this request avoids {shown})")
 
 
 def _charged(view: WorkerView, num_tokens: int) -> WorkerView:

@@ -338,8 +338,10 @@ class ServiceRuntime:
     # -- messaging ------------------------------------------------------------------------
     async def subscribe(self, subject: str, typ: type[T],
                         handler: Callable[[T, Msg], Awaitable[None]], *, queue: str = "",
-                        concurrent: bool = True) -> None:
+                        concurrent: bool = True) -> Any:
         """Subscribe with one typed decoder. Bad input is counted and logged, never fatal.
+        Returns the subscription (closed with the connection; a service may drain it
+        earlier).
 
         `concurrent`: each message is handled in its own owned task (handlers may await).
         """
@@ -357,7 +359,9 @@ class ServiceRuntime:
             else:
                 await self._guarded(handler, obj, msg, subject)
 
-        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        self._subs.append(sub)
+        return sub
 
     async def subscribe_heartbeats(self, subject: str,
                                    handler: Callable[[m.Heartbeat, Msg], Awaitable[None]]

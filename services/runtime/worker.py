@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdmesh.kvstore import KVPool, ScrubPolicy
+from pdmesh.services.engine.fingerprint import engine_fingerprint
 from pdmesh.services.engine.models import load_model
 from pdmesh.services.engine.runner import Engine, make_pool
 from pdmesh.services.protocol import messages as m
@@ -103,6 +104,8 @@ class WorkerBase:
                                       page_tokens=cfg.page_tokens,
                                       scrub=ScrubPolicy[cfg.scrub.upper()])
         self.engine = Engine(self.model, self.pool)
+        # What decides this worker's bits: admission pairs only equal ones (rolling upgrades).
+        self.fingerprint = engine_fingerprint(self.model, self.engine, spec=cfg.model)
         model_context = self.model.config.max_context
         if cfg.max_context > model_context:
             # The engine cannot attend past its positions (RoPE table): advertising more
@@ -242,7 +245,8 @@ class WorkerBase:
             prefix_hashes=cache.summary(summary_limit) if cache else [],
             prefix_align_tokens=cache.align_tokens if cache else 0,
             prefix_cached_tokens=cache.num_pages * pool.spec.page_tokens if cache else 0,
-            tenant_tokens=self.tenant_tokens() if role is m.Role.DECODE else {}))
+            tenant_tokens=self.tenant_tokens() if role is m.Role.DECODE else {},
+            fingerprint=self.fingerprint))
 
     def counters(self) -> dict[str, float]:
         return {}

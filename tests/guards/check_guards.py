@@ -559,6 +559,18 @@ MUTATIONS = [
              (ISO + "test_worker_loss.py::test_decode_killed_mid_stream",
               "tests/gateway/test_loop_liveness.py::"
               "test_a_worker_that_stops_heartbeating_still_fails_its_request")),
+    Mutation("fingerprint-pairing", "admission pairs only a prefill and a decode of one "
+             "engine fingerprint (two builds would compute different bits)",
+             (Expr("fingerprint-pairing", "v.fingerprint", "''"),),
+             ("tests/admission/test_fingerprint_pairing.py::"
+              "test_a_decode_of_another_fingerprint_is_never_chosen_however_free",
+              "tests/admission/test_fingerprint_pairing.py::"
+              "test_admission_on_nats_pairs_only_equal_fingerprints")),
+    Mutation("avoid-workers", "a resumed request is never placed on a worker its submit "
+             "avoids (the workers it lost)",
+             (Expr("avoid-workers", "e.beat.worker_id not in avoid", "True"),),
+             ("tests/admission/test_avoid_workers.py::"
+              "test_a_resumed_request_is_placed_only_on_other_workers",)),
     Mutation("resume-carries-state", "a resumed choice samples on from its sampler's token "
              "index (and counts): the continuation is the stream the lost workers would have "
              "given",
