@@ -53,6 +53,9 @@ from pdmesh.services.runtime.config import GatewayConfig
 
 log = logging.getLogger("pdmesh.gateway")
 MAX_RESUMES = 3  # a choice is resumed on other workers at most this many times
+# A lost worker heard again this long after the loss is back (restarted or reconnected),
+# not a heartbeat that was already on its way when it died.
+BACK_AFTER_S = 1.0
 
 # Request key: the SSE headers are out. aiohttp >= 3.14 has typed request keys and warns on
 # plain strings; older releases have neither.
@@ -98,7 +101,7 @@ class Choice:
     origin: m.SubmitChoice | None = None  # the choice as first submitted
     delivered: list[int] = field(default_factory=list)  # token ids the client has got
     resumes: int = 0
-    lost: list[str] = field(default_factory=list)  # workers this choice lost
+    lost: dict[str, float] = field(default_factory=dict)  # workers this choice lost: when
     lost_at: float | None = None  # when the last loss was noticed (until its next token)
 
 
@@ -210,8 +213,9 @@ class Generation:
                 and lost.worker != old.decode_worker else "decode")
         worker = lost.worker or (old.decode_worker if old.got_first_token
                                  else old.prefill_worker)
-        c.lost.extend(w for w in (worker,) if w and w not in c.lost)
         c.lost_at = time.monotonic()
+        if worker:
+            c.lost[worker] = c.lost_at
         await gw.mesh.let_go(old)  # the old workers free what they hold now
         why = ""
         if c.resumes >= MAX_RESUMES:
@@ -230,7 +234,7 @@ class Generation:
                 gw.metrics.migration_failed.labels(gw.model_name, "no_workers").inc()
             else:
                 sub = subs[0]
-                again = {sub.prefill_worker, sub.decode_worker} & set(c.lost)
+                again = {sub.prefill_worker, sub.decode_worker} & set(self._avoid(c))
                 # An admission that ignores avoid_workers.
                 if again:  # guard: resume-avoids-lost
                     await gw.mesh.let_go(sub)
@@ -268,7 +272,13 @@ class Generation:
             cache_salt=req.cache_salt, prompt_ids=[*req.prompt_ids, *done],
             max_tokens=req.max_tokens - len(done), sampling=sampling,
             stream_key=streamauth.new_key(), weight=req.weight, kv_share=req.kv_share,
-            avoid_workers=list(c.lost), resumes=origin.request_id)
+            avoid_workers=self._avoid(c), resumes=origin.request_id)
+
+    def _avoid(self, c: Choice) -> list[str]:
+        """The workers this choice lost that have not heartbeated since (a restarted or
+        reconnected one, heard again, may take it)."""
+        heard = self.gw.liveness.heard_since
+        return sorted(w for w, at in c.lost.items() if not heard(w, at + BACK_AFTER_S))
 
     async def _read_stream(self, c: Choice) -> None:
         """Read the choice's current stream to its end, streaming chunks as they come."""

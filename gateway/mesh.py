@@ -141,6 +141,10 @@ class WorkerLiveness:
             now = time.monotonic()
             self.heard = {w: t for w, t in self.heard.items() if now - t <= self.ttl_s}
 
+    def heard_since(self, worker: str, since: float) -> bool:
+        """A heartbeat of `worker` arrived after `since` (time.monotonic())."""
+        return self.heard.get(worker, -math.inf) > since
+
     def _silent(self, worker: str) -> bool:
         """No heartbeat from `worker` within the TTL (draining or not)."""
         heard = self.heard.get(worker)

@@ -21,7 +21,7 @@ import pytest
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.runtime.service import ServiceState
 from tests.support.meshproc import NatsServer
-from tests.support.scripted_mesh import ScriptedMesh, gateways
+from tests.support.scripted_mesh import DECODE, ScriptedMesh, gateways
 
 pytestmark = pytest.mark.mesh
 
@@ -133,6 +133,36 @@ async def test_a_lost_workers_choice_resumes_from_the_tokens_it_delivered(
             ("cause", "worker_drained")}))] == 1
 
 
+async def test_a_lost_worker_heard_again_is_no_longer_avoided(
+        nats_server: NatsServer) -> None:
+    """The choice loses dec-0 (resumed on dec-1), dec-0 comes back (heartbeats again, as a
+    restarted worker does), then the choice loses dec-2: the third submit avoids dec-2
+    alone, so a mesh whose workers restart one at a time never runs out of them."""
+
+    async def script(mesh: ScriptedMesh, rid: str) -> None:
+        if rid.endswith("-r2"):
+            await mesh.send(rid, m.TokenEvent(request_id=rid, seq=0, token_ids=[ord("c")],
+                                              finish=m.FINISHED_LENGTH))
+            return
+        letter, lost = ("b", "dec-2") if rid.endswith("-r1") else ("a", "dec-0")
+        await mesh.send(rid, m.TokenEvent(request_id=rid, seq=0, token_ids=[ord(letter)]))
+        if lost == "dec-2":
+            await asyncio.sleep(1.5)
+            await mesh.nc.publish(m.heartbeat_subject("decode", "dec-0"), m.encode(
+                m.Heartbeat(worker_id="dec-0", role=m.Role.DECODE, model="tiny")))
+            await asyncio.sleep(0.2)
+        await mesh.send(rid, m.StreamFailed(request_id=rid, outcome=m.Outcome(
+            code=m.Code.WORKER_LOST, worker=lost, detail=f"{lost} lost")))
+
+    async with gateways(nats_server.url) as start:
+        run = await start(script)
+        status, lines = await _stream(run.base, "hi", 3)
+        assert status == 200 and _letters(lines) == "abc", lines[-2:]
+        _, second, third = run.mesh.submits
+        assert second.avoid_workers == ["dec-0"]
+        assert third.avoid_workers == ["dec-2"]
+
+
 async def test_a_choice_is_not_resumed_onto_the_worker_it_lost(
         nats_server: NatsServer) -> None:
     """An admission that places the resumed request on the lost worker again (the scripted
@@ -141,8 +171,9 @@ async def test_a_choice_is_not_resumed_onto_the_worker_it_lost(
 
     async def script(mesh: ScriptedMesh, rid: str) -> None:
         await mesh.send(rid, m.TokenEvent(request_id=rid, seq=0, token_ids=[ord("a")]))
+        mesh.silent = frozenset({DECODE})  # dead: heard no more
         await mesh.send(rid, m.StreamFailed(request_id=rid, outcome=m.Outcome(
-            code=m.Code.WORKER_LOST, worker="dec-1", detail="decode worker dec-1 lost")))
+            code=m.Code.WORKER_LOST, worker=DECODE, detail="decode worker dec-1 lost")))
 
     async with gateways(nats_server.url) as start:
         run = await start(script)
