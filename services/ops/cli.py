@@ -149,7 +149,7 @@ def up_env(cfgs: dict[str, ServiceConfig], allow_dev: bool) -> dict[str, dict[st
 
 def cmd_up(argv: Sequence[str]) -> int:
     # Lazy like every command's module: `pdmesh serve gateway` must not load the launcher.
-    from pdmesh.services.ops.launcher import Launcher, run_up
+    from pdmesh.services.ops.launcher import RESTART_CHOICES, Launcher, RestartPolicy, run_up
 
     parser = ArgumentParser(
         prog="pdmesh up", description="Run the whole mesh locally: embedded nats-server, "
@@ -161,10 +161,20 @@ def cmd_up(argv: Sequence[str]) -> int:
     parser.add_argument("--colocated", action="store_true",
                         help="baseline mesh: one colocated worker (prefill + decode in one "
                         "process, no KV transfer) behind the same gateway and admission")
+    policy = RestartPolicy()
+    parser.add_argument("--restart", choices=RESTART_CHOICES, default=None,
+                        help="a service that exits (any code or signal): `always` (default) "
+                        f"starts it again, same ports and worker id, after a back-off "
+                        f"({policy.first_delay_s:g}s doubling to {policy.max_delay_s:g}s; "
+                        f"the mesh stops when it dies within {policy.quick_exit_s:g}s of "
+                        f"its start {policy.max_quick_exits} times in a row); `never` "
+                        "stops the whole mesh. nats-server exiting always stops it")
     parser.add_argument("--keep-going", action="store_true",
-                        help="keep the mesh up when one service exits (fault-injection tests "
-                        "kill workers on purpose); default: stop everything")
+                        help="keep the mesh up when one service exits, without restarting it "
+                        "(fault-injection tests kill workers on purpose)")
     args = parser.parse_args(argv)
+    if args.keep_going and args.restart == "always":
+        return _fail("--keep-going never restarts a service; drop --restart always")
     allow_dev = _allow_dev(args)
     try:
         cfgs = up_configs(args, args.colocated)
@@ -185,7 +195,11 @@ def cmd_up(argv: Sequence[str]) -> int:
                       "for local development only", flush=True)
     launcher = Launcher(nats_url=cfg.nats_url, gateway_port=cfg.gateway_port,
                         prefill=args.prefill, decode=args.decode, env=env, quiet=args.quiet,
-                        keep_going=args.keep_going, colocated=args.colocated)
+                        keep_going=args.keep_going, colocated=args.colocated,
+                        restart=args.restart or "always", policy=policy,
+                        drain_timeout_s=max(c.drain_timeout_s for c in cfgs.values()),
+                        worker_ttl_s=max(getattr(c, "worker_ttl_s", 0.0)
+                                         for c in cfgs.values()))
     try:
         return asyncio.run(run_up(launcher))
     except PdmeshError as exc:

@@ -158,7 +158,7 @@ def test_serve_refuses_another_roles_flag(capsys: pytest.CaptureFixture[str]) ->
 
 def test_up_flags_come_from_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     offered = _flags(_help(["up"], capsys))
-    own = {"--prefill", "--decode", "--quiet", "--colocated", "--keep-going"}
+    own = {"--prefill", "--decode", "--quiet", "--colocated", "--keep-going", "--restart"}
     assert offered == {s.flag for s in up_settings()} | own
     assert "--torch-threads" in offered and "--faults" not in offered
 
