@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2
 ARGS ?=
 
-.PHONY: up test test-fast test-fuzz test-compose test-multihost test-long lint bench clean venv
+.PHONY: up test test-fast test-fuzz test-compose test-multihost test-long test-chaos lint bench clean venv
 
 $(VENV)/bin/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pdmesh needs Python >= 3.11 (3.11 is what CI tests; README: Supported Python); $(PYTHON) is " + sys.version.split()[0])'
@@ -63,6 +63,15 @@ test-long: $(VENV)/.installed-test
 	  tests/gateway/test_long_context.py tests/prefill/test_long_prompts.py \
 	  tests/gateway/test_liveness_mesh.py tests/loadtest/test_bench_disagg.py \
 	  tests/loadtest/test_bench_fairness.py $(ARGS)
+
+## make test-chaos: pdmesh soak for 3 minutes against a 2-prefill 2-decode mesh while a
+## seeded killer SIGTERMs or SIGKILLs a worker every 15-30 s and `pdmesh up` restarts it:
+## no admitted request fails, no oracle mismatch, no lease left, migrations counted; prints
+## and saves one JSON. PDMESH_CHAOS_SEED=N replays a run. Also the real-mesh drain and
+## supervision cases (a worker drained, killed, never coming back; Ctrl-C's stop order).
+test-chaos: $(VENV)/.installed-test
+	PDMESH_CHAOS_TESTS=1 $(PY) -m pytest -q -ra -s -p no:cacheprovider --durations=8 \
+	  tests/chaos tests/isolation/test_drain.py tests/ops/test_supervise.py $(ARGS)
 
 ## make test-fuzz: the trust-boundary fuzzers (HTTP bodies, control messages, frame headers,
 ## random header bytes) at 10,000 cases each (`make test` draws 1,000).

@@ -171,5 +171,8 @@ def test_sigterm_past_the_drain_timeout_resumes_on_the_other_worker(mesh: Mesh,
     log = proc.stderr.read().decode()  # type: ignore[union-attr]
     assert "1 handed on, 0 cut" in log, log[-2000:]
     metrics = urllib.request.urlopen(mesh.metrics_url, timeout=5).read().decode()
-    assert 'from_role="decode"' in metrics and 'cause="worker_drained"' in metrics
+    migrated = [line for line in metrics.splitlines()
+                if line.startswith("pdmesh:requests_migrated_total{")]
+    assert any('from_role="decode"' in line and 'cause="worker_drained"' in line
+               for line in migrated), migrated
     assert_pools_clean(mesh.nats_url)
