@@ -53,6 +53,7 @@ from pdmesh.transports import (
 from pdmesh.transports.framing import transfer_key
 
 log = logging.getLogger("pdmesh.decode")
+HANDOFF_STEP_WAIT_S = 10.0  # at a drain's hand-off: the longest a decode step is waited for
 
 
 @dataclass(eq=False)
@@ -439,11 +440,19 @@ class DecodeService(WorkerBase):
 
     async def hand_off(self) -> int:
         """Drain timeout: free every lease still held (fenced as always) and tell each
-        request's gateway to resume it on another decode worker from the tokens it got."""
+        request's gateway to resume it on another decode worker from the tokens it got.
+        A request inside the engine's step right now is concluded (and its gateway told)
+        when the step ends: wait for that, since the closing drain then cancels the loop
+        that would do it. How many could not be told (cut)."""
         outcome = self.drained_outcome()
         for dreq in list(self.requests.values()):
             await self.end(dreq, outcome)
-        return 0
+        loop = asyncio.get_running_loop()
+        until = loop.time() + HANDOFF_STEP_WAIT_S
+        # Polled: the decode loop concludes them after the step.
+        while self.requests and loop.time() < until:  # noqa: ASYNC110  # guard: handoff-waits-step
+            await asyncio.sleep(0.01)
+        return len(self.requests)
 
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
         dreq = self.requests.get(ab.request_id)
