@@ -10,9 +10,10 @@
 # are proven across them), waits until every container is healthy, then through the
 # published gateway port: one real answer from the default model (SmolLM2: "Paris"), and one
 # over-capacity 400; NATS runs with credentials (`pdmesh secrets`) and a client without them
-# is refused. Takes everything down. Exits non-zero on any failure (a wrong command or
-# healthcheck leaves a container exited or unhealthy, and the run fails), and leaves nothing
-# running.
+# is refused; then a rolling restart of the two decode replicas under a bounded load
+# (compose/rolling_restart.py: every request must come back whole). Takes everything down.
+# Exits non-zero on any failure (a wrong command or healthcheck leaves a container exited or
+# unhealthy, and the run fails), and leaves nothing running.
 #
 # Environment:
 #   PDMESH_COMPOSE_CACHE  base image tarball, wheels and dockerd data root are kept here
@@ -300,6 +301,45 @@ grep -qi authorization <<< "$out" || fail "refusal is not an authorization error
 out=$(stack exec -T gateway sh -c 'PROBE_USER=$PDMESH_NATS_USER PROBE_PASSWORD=$PDMESH_NATS_PASSWORD python -c "$0"' "$probe" 2>&1) \
   || fail "NATS refused the gateway's own credentials: $out"
 echo "[compose-ci] gateway credentials: $out"
+
+step "rolling restart"
+# docker-compose.ci.yml scales decode to two replicas: each container its own hostname, so
+# each its own default worker id (<role>-<hostname>-<pid>).
+read -ra decodes <<< "$(stack ps -q decode | tr '\n' ' ')"
+[[ ${#decodes[@]} -ge 2 ]] || fail "the rolling restart needs two decode replicas: ${decodes[*]}"
+worker_id() { $docker logs "$1" 2>&1 | sed -n 's/.* decode \(decode-[^ ]*\) ready .*/\1/p' | tail -1; }
+ids=$(for id in "${decodes[@]}"; do worker_id "$id"; done | sort -u)
+echo "[compose-ci] decode worker ids:" $ids
+[[ $(wc -w <<< "$ids") -eq ${#decodes[@]} ]] || fail "decode replicas share a worker id: $ids"
+# compose hands stop_grace_period to the container (StopTimeout): a plain `docker restart`
+# or `docker stop` waits that long for the drain before SIGKILL.
+grace_s=$("$python" -c 'import sys, yaml
+print(yaml.safe_load(open(sys.argv[1]))["services"]["decode"]["stop_grace_period"].rstrip("s"))' \
+  "$work/stack.yml")
+for id in "${decodes[@]}"; do
+  stop_s=$($docker inspect -f '{{.Config.StopTimeout}}' "$id")
+  [[ $stop_s == "$grace_s" ]] || fail "decode $id: StopTimeout $stop_s, stop_grace_period ${grace_s}s"
+done
+rolled=0
+innet timeout 480 "$python" "$repo/compose/rolling_restart.py" --url "$gateway_url" \
+  --key "$api_key" --model "$model" --docker "$docker" --concurrency 4 --per-restart 8 \
+  --max-requests 24 --ready-timeout-s 180 "${decodes[@]}" || rolled=$?
+# What the drains did, and what the gateway resumed (its metrics port: inside the stack only).
+# Each replica drained on its SIGTERM (a SIGKILL before the drain's end logs no such line).
+undrained=()
+for id in "${decodes[@]}"; do
+  drained=$($docker logs "$id" 2>&1 | grep -E "drained in" | sed 's/^.*INFO [^ ]* /[compose-ci]   /' || true)
+  if [[ -n $drained ]]; then echo "$drained"; else undrained+=("$id"); fi
+done
+gateway_id=$(stack ps -q gateway)
+$docker logs "$gateway_id" 2>&1 | grep -E "not resumed" | sed 's/^/[compose-ci]   /' || true
+# shellcheck disable=SC2016
+resumed=$(stack exec -T gateway python -c 'import urllib.request as u
+print(u.urlopen("http://127.0.0.1:8100/metrics", timeout=5).read().decode())' | \
+  awk '/^pdmesh:requests_migrated_total/ {n += $NF} END {printf "%d", n}') || resumed="?"
+echo "[compose-ci] resumed on the other replica: $resumed"
+[[ $rolled -eq 0 ]] || fail "rolling restart (exit $rolled)"
+[[ ${#undrained[@]} -eq 0 ]] || fail "no drain logged by decode ${undrained[*]} (killed first?)"
 
 step "compose down"
 stack down --volumes --remove-orphans --timeout 20
