@@ -36,7 +36,9 @@ def nats_server() -> Iterator[NatsServer]:
 
 @pytest.fixture(scope="session")
 def live_mesh() -> Iterator[Mesh]:
-    with run_mesh("--kv-tokens", str(LIVE_MESH_KV_TOKENS),
+    # Configured past its pool (tiny's own 65536 positions, set explicitly: unset, a worker
+    # serves what its pool holds): every worker clamps (I5) and says so.
+    with run_mesh("--kv-tokens", str(LIVE_MESH_KV_TOKENS), "--max-context", "65536",
                   env=mesh_env(PDMESH_ALLOW_FAULTS="1", PDMESH_FAULTS="request_faults",
                                PDMESH_PREFILL_STALL_S="5")) as mesh:
         yield mesh

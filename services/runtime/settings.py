@@ -211,7 +211,9 @@ SETTINGS: tuple[Setting, ...] = (
             "bundled dev tenants.",
             (GATEWAY,), up=True),
     Setting("max_context", "--max-context", "PDMESH_MAX_CONTEXT", int, 0,
-            "Configured context length in tokens. 0: the model's own maximum.",
+            "Configured context length in tokens. 0: the model's own maximum, or the KV "
+            "pool's size (--kv-tokens) when that is smaller (logged at INFO). A value over "
+            "the pool is a capacity mismatch (--on-capacity-mismatch).",
             WORKERS, check=non_negative, up=True),
     Setting("kv_tokens", "--kv-tokens", "PDMESH_KV_TOKENS", int, 32768,
             "KV pool size per prefill/decode worker, in tokens (rounded up to whole pages).",
