@@ -989,7 +989,8 @@ def run(m: Mutation, tags: dict[str, list[Site]]) -> tuple[str, float, str]:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
                                "no:cacheprovider", "--timeout", "240", *m.tests], cwd=REPO,
                               capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "PDMESH_LONG_TESTS": "1"})
+                              env={**os.environ, "PDMESH_LONG_TESTS": "1",
+                                   "PDMESH_CHAOS_TESTS": "1"})
     except subprocess.TimeoutExpired:
         return "TIMEOUT", time.monotonic() - t0, "pytest ran past 600 s"
     finally:
