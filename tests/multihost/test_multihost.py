@@ -4,8 +4,9 @@ Scenarios, each bounded in requests and seconds:
   1. three tenants, long and short prompts: every reply is the oracle's, over-capacity
      prompts get 400, the data plane crossed hosts, pools end clean;
   4. a decode worker advertising an address its peers cannot reach (loopback) fails its
-     first transfer with a clear error at once, `pdmesh check` flags it, and prefill's
-     report (`DataPlaneUnreachable`) takes it out of admission's routing;
+     first transfer at once (the request resumed on another decode worker), `pdmesh check`
+     flags it, and prefill's report (`DataPlaneUnreachable`) takes it out of admission's
+     routing;
   3. the decode host cut off (its switch port down) mid-stream: its streams resume on the
      other decode host within seconds and finish with the tokens of an undisturbed run (the
      gap reported), admission stops routing to it, the other decode host's own streams
@@ -188,10 +189,12 @@ def test_unreachable_data_address_is_caught_and_left_out_of_routing(mesh: Lab) -
             assert status == 200, body
         assert caught is not None, f"admission never routed to {bad} in 40 requests"
         status, body, elapsed = caught
-        # Caught at its first transfer, with a clear error, at once (not a deadline).
-        assert status == 502 and body["error"]["code"] == "transfer_failed", body
+        # Caught at its first transfer, at once (not a deadline): the gateway resumes the
+        # request on another decode worker, so the client still gets the oracle's answer.
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected_text(f"probe {i}", 4)
         # Connection refused, or at worst the connect's progress timeout.
-        assert elapsed < TRANSFER_PROGRESS_S + 2, f"caught after {elapsed:.1f}s, not at once"
+        assert elapsed < TRANSFER_PROGRESS_S + 4, f"caught after {elapsed:.1f}s, not at once"
         seen = set(mesh.query([bad])[0].request_ids)
         still_routed = 0
         for i in range(8):
@@ -200,9 +203,7 @@ def test_unreachable_data_address_is_caught_and_left_out_of_routing(mesh: Lab) -
             if now != seen:
                 still_routed += 1
                 seen = now
-                assert status == 502 and body["error"]["code"] == "transfer_failed", body
-            else:
-                assert status == 200, body
+            assert status == 200, body
         # Prefill told admission at the first failure: no later request goes there.
         assert still_routed == 0, f"{still_routed} of 8 later requests still went to {bad}"
     finally:
