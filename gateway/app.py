@@ -9,7 +9,6 @@ ones, is answered in the OpenAI shape.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.metadata
 import logging
@@ -50,7 +49,7 @@ from pdmesh.services.engine.tokenizer import ChatTemplateError
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.config import GatewayConfig
-from pdmesh.services.runtime.service import ServiceRuntime, ServiceState, run_service
+from pdmesh.services.runtime.service import ServiceRuntime, ServiceState, run_service, settle
 
 log = logging.getLogger("pdmesh.gateway")
 
@@ -82,7 +81,7 @@ class Gateway:
         self.model_name = self.served_names[0]
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
         self.limiter = TenantLimiter()  # each tenant's concurrency and rates (limits.py)
-        self.liveness = WorkerLiveness(self.rt, self.registry, cfg.worker_ttl_s)
+        self.liveness = WorkerLiveness(self.rt, cfg.worker_ttl_s)
         # A test mesh copies the fault header onto the submit (services/faults.py).
         self.submit_headers = faults.gateway_headers(cfg)
         self.bypass_checks = faults.gateway_bypass(cfg)
@@ -122,10 +121,7 @@ class Gateway:
         cut = self.generating
         self.mesh.interrupt_all(f"the gateway is shutting down (--drain-timeout-s "
                                 f"{self.cfg.drain_timeout_s:g} passed); retry the request")
-        loop = asyncio.get_running_loop()
-        until = loop.time() + CUT_GRACE_S
-        while self.generating and loop.time() < until:  # noqa: ASYNC110 - a count, polled
-            await asyncio.sleep(0.05)
+        await settle(lambda: self.generating, CUT_GRACE_S)
         return cut
 
     def _refuse_if_draining(self) -> None:

@@ -38,7 +38,6 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.service import ServiceRuntime
@@ -126,8 +125,8 @@ class WorkerLiveness:
     really gone).
     """
 
-    def __init__(self, rt: ServiceRuntime, registry: CapacityRegistry, ttl_s: float) -> None:
-        self.rt, self.registry, self.ttl_s = rt, registry, ttl_s
+    def __init__(self, rt: ServiceRuntime, ttl_s: float) -> None:
+        self.rt, self.ttl_s = rt, ttl_s
         self.lagged_at = -math.inf  # ... of the last tick of watch() found late
         self.ticked_at = time.monotonic()
         # Worker id -> when its last heartbeat arrived, whatever it said: a draining or
@@ -148,8 +147,7 @@ class WorkerLiveness:
     def _silent(self, worker: str) -> bool:
         """No heartbeat from `worker` within the TTL (draining or not)."""
         heard = self.heard.get(worker)
-        return (heard is None or time.monotonic() - heard > self.ttl_s) and (
-            self.registry.get(worker) is None)
+        return heard is None or time.monotonic() - heard > self.ttl_s
 
     async def watch(self) -> None:
         """Tick every POLL_S; remember when a tick came late (the loop was stalled)."""
@@ -250,14 +248,14 @@ class MeshClient:
             frozenset() if req.sampling.ignore_eos else self.eos_token_ids)
         choices = [m.SubmitChoice(request_id=req.request_id, stream_key=req.stream_key,
                                   sampling=req.sampling), *req.choices]
-        held: list[tuple[Submission, Any]] = []
+        held: list[Submission] = []
         try:
             for choice in choices:
                 state = Submission(request_id=choice.request_id, events=asyncio.Queue(),
                                    max_tokens=req.max_tokens, stop_ids=stop_ids,
                                    min_tokens=req.sampling.min_tokens)
                 state.nats_sub = await self._listen(state, choice.stream_key)
-                held.append((state, state.nats_sub))
+                held.append(state)
                 self._inflight[choice.request_id] = state
             try:
                 reply = await self.rt.request(m.SUBMIT_SUBJECT, req, m.SubmitReply,
@@ -274,7 +272,7 @@ class MeshClient:
                                                  decode_worker=reply.decode_worker,
                                                  prefill_worker=reply.prefill_worker)
             now = time.monotonic()
-            for state, _ in held:
+            for state in held:
                 where = placed.get(state.request_id)
                 if where is None:
                     raise MeshUnavailable(f"admission placed no worker for choice "
@@ -282,9 +280,9 @@ class MeshClient:
                 state.admitted_at = now
                 state.decode_worker = where.decode_worker
                 state.prefill_worker = where.prefill_worker
-            yield [state for state, _ in held]
+            yield list(held)
         finally:
-            for state, _ in held:
+            for state in held:
                 await self.let_go(state)
 
     async def _listen(self, state: Submission, stream_key: str) -> Any:

@@ -46,12 +46,7 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth, tickets
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime.config import AdmissionConfig
-from pdmesh.services.runtime.service import (
-    DRAIN_POLL_S,
-    ServiceRuntime,
-    counter_total,
-    run_service,
-)
+from pdmesh.services.runtime.service import ServiceRuntime, counter_total, run_service, settle
 
 log = logging.getLogger("pdmesh.admission")
 
@@ -178,11 +173,7 @@ class AdmissionService:
         before = self.cut_submits
         self._cutting = True
         self._wake.set()
-        loop = asyncio.get_running_loop()
-        until = loop.time() + self.cfg.reserve_timeout_s + CUT_GRACE_S
-        # Polled, as the runtime's drain polls: the count is this service's own state.
-        while self._submits_in_flight and loop.time() < until:  # noqa: ASYNC110
-            await asyncio.sleep(DRAIN_POLL_S)
+        await settle(lambda: self._submits_in_flight, self.cfg.reserve_timeout_s + CUT_GRACE_S)
         return self.cut_submits - before
 
     async def handle(self, req: m.SubmitRequest,

@@ -41,7 +41,7 @@ from pdmesh.services.protocol.capacity import decode_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime.config import DecodeConfig
-from pdmesh.services.runtime.service import ServiceState, counter_total
+from pdmesh.services.runtime.service import ServiceState, counter_total, settle
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
 from pdmesh.transports import (
     ExpectedTransfer,
@@ -447,12 +447,9 @@ class DecodeService(WorkerBase):
         outcome = self.drained_outcome()
         for dreq in list(self.requests.values()):
             await self.end(dreq, outcome)
-        loop = asyncio.get_running_loop()
-        until = loop.time() + HANDOFF_STEP_WAIT_S
-        # Polled: the decode loop concludes them after the step.
-        while self.requests and loop.time() < until:  # noqa: ASYNC110  # guard: handoff-waits-step
-            await asyncio.sleep(0.01)
-        return len(self.requests)
+        # The decode loop concludes them after the step.
+        return await settle(lambda: len(self.requests),  # guard: handoff-waits-step
+                            HANDOFF_STEP_WAIT_S)
 
     async def _on_abort(self, ab: m.Abort, _msg: Msg) -> None:
         dreq = self.requests.get(ab.request_id)

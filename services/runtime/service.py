@@ -58,6 +58,16 @@ DRAIN_POLL_S = 0.05  # how often a drain checks whether its in-flight requests a
 T = TypeVar("T")
 
 
+async def settle(count: Callable[[], int], timeout_s: float) -> int:
+    """Wait until `count()` is 0 or `timeout_s` passed; what is left. A drain's waits for
+    in-flight work: polled, the counts being each service's own state."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+    while (left := count()) and loop.time() < until:  # noqa: ASYNC110
+        await asyncio.sleep(min(DRAIN_POLL_S, max(until - loop.time(), 0.0)))
+    return left
+
+
 class NatsRefused(Exception):
     """The NATS server refused this process's credentials while it connected."""
 
@@ -495,15 +505,6 @@ class ServiceRuntime:
         returns how many it ended with an error rather than handed on (cut)."""
         self._handoff_hooks.append(hook)
 
-    async def _settle(self, timeout_s: float) -> int:
-        """Wait until nothing is in flight or `timeout_s` passed; what is left."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + timeout_s
-        # Polled: the counts are each service's own state, read in one place.
-        while (left := self.inflight()) and loop.time() < until:  # noqa: ASYNC110
-            await asyncio.sleep(min(DRAIN_POLL_S, max(until - loop.time(), 0.0)))
-        return left
-
     async def drain(self, why: str = "requested") -> None:
         """Idempotent: stop taking work, let in-flight requests finish (up to the drain
         timeout), hand on the rest, flush NATS, cancel and await every task, close HTTP."""
@@ -520,7 +521,7 @@ class ServiceRuntime:
                 await hook()
             except Exception:  # a failed hook must not stop the drain
                 log.exception("%s: drain hook failed", self.role)
-        left = await self._settle(self.cfg.drain_timeout_s) if self._inflight else 0
+        left = await settle(self.inflight, self.cfg.drain_timeout_s) if self._inflight else 0
         cut = 0
         if left:
             self.drain_left.labels(self.role).inc(left)

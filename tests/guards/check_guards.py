@@ -573,7 +573,7 @@ MUTATIONS = [
               "test_a_resumed_request_is_placed_only_on_other_workers",)),
     Mutation("handoff-waits-step", "a drain's hand-off tells the gateway about a request "
              "the engine's step held too (the closing drain would cancel the loop that does)",
-             (Condition("handoff-waits-step", "False"),),
+             (Replace("handoff-waits-step", "return len(self.requests)"),),
              ("tests/decode/test_hand_off.py::"
               "test_every_request_held_at_the_drain_timeout_is_handed_to_its_gateway",)),
     Mutation("resume-carries-state", "a resumed choice samples on from its sampler's token "
