@@ -26,7 +26,8 @@
  * code's key is fresh per reservation and bound to the epoch); the receiver does not check
  * page order or duplicates (the code does); a page holds a whole request's worth of tokens.
  *
- * Variants (one guard removed each; verify.py expects a counterexample for every one):
+ * Variants (one guard removed each, selected with spin -D<NAME>; each should give a
+ * counterexample):
  *   NO_REJECT_FIRST   admission reserves before it decides
  *   INCIDENT          a rejected prompt goes on as a 1-page stub into a full reservation
  *   NO_EPOCH_CHECK    the receiver takes a frame whatever its epoch
