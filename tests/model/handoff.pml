@@ -85,7 +85,6 @@ bool rejected[NREQ];
 bool dispatched[NREQ];
 bool aborted[NLINKS];    /* the Abort broadcast, as prefill's job sees it */
 byte faults = 0;         /* misbehaviour budget of the prefills */
-byte gw_done = 0;
 
 chan submit = [NREQ] of { byte, byte };
 chan sreply[NREQ] = [1] of { mtype };
@@ -99,7 +98,6 @@ chan to_gw[NREQ] = [4] of { mtype, byte };
 chan data[NLINKS] = [3] of { mtype, byte, byte, byte, bool };
 chan atk = [1] of { mtype, byte, byte, byte, bool };
 chan writes = [4] of { byte, byte, byte, byte, bool };  /* r, slot epoch, page, index, key */
-
 
 /* ---------------------------------------------------------------- the invariants */
 /* I1: a rejected request never holds a reservation or reaches a worker */
@@ -136,18 +134,18 @@ again:
      if
      :: a != att -> skip                           /* an earlier attempt's event */
      :: a == att && ev == LOST && att + 1 < MAXATT ->
-        if :: from_gw!ABORT, r, att :: skip fi  /* may be lost */;               /* the lost attempt is aborted */
+        if :: from_gw!ABORT, r, att :: skip fi;  /* the lost attempt is aborted (may be lost) */
         aborted[r * MAXATT + att] = true;
         att++;
         goto again                                  /* resume: a new attempt */
      :: else -> goto done
      fi
-  :: if :: from_gw!ABORT, r, att :: skip fi  /* may be lost */;                  /* client gone or deadline */
+  :: if :: from_gw!ABORT, r, att :: skip fi;  /* client gone or deadline (may be lost) */
      aborted[r * MAXATT + att] = true;
      goto done
   od;
 done:
-  gw_done++
+  skip
 }
 
 /* ---------------------------------------------------------------- prefill's job */
@@ -156,8 +154,8 @@ proctype Prefill(byte r, att, ep, n) {
   byte j = r * MAXATT + att;
   if
   :: skip
-  :: if :: from_pf!RELEASE, r, att :: skip fi  /* may be lost */;               /* refuses: tells decode, then the client */
-     if :: to_gw[r]!FAILED, att :: skip fi  /* may be lost */;
+  :: if :: from_pf!RELEASE, r, att :: skip fi;  /* refuses: tells decode, then the client */
+     if :: to_gw[r]!FAILED, att :: skip fi;
      goto quit
   fi;
   do
@@ -171,7 +169,7 @@ proctype Prefill(byte r, att, ep, n) {
   :: i == n -> break
   od;
   data[j]!COMMIT, r, ep, n, true;
-  if :: from_pf!DONE, r, att :: skip fi  /* may be lost */;
+  if :: from_pf!DONE, r, att :: skip fi;
 quit:
   skip
 }
@@ -206,14 +204,14 @@ reserve:
            :: else -> skip            /* a late reply to a reserve that timed out */
            fi
         :: ep = 0;                    /* the reserve call timed out */
-           if :: to_dec!CANCEL, r, att :: skip fi  /* may be lost */;
+           if :: to_dec!CANCEL, r, att :: skip fi;
            break
         od;
         if
         :: ep == 0 -> sreply[r]!SATURATED
         :: else ->
            dispatched[r] = true;
-           if :: run Prefill(r, att, ep, n) :: skip fi  /* may be lost */;   /* the dispatch may be lost */
+           if :: run Prefill(r, att, ep, n) :: skip fi;  /* the dispatch (may be lost) */
            sreply[r]!ADMITTED
         fi
      fi
@@ -367,7 +365,7 @@ inline conclude(r, ev) {
   free_pages(r, e, FREE);
 #endif
 #ifndef TELL_FIRST
-  if :: ev != 0 -> if :: to_gw[r]!ev, att_of[r] :: skip fi  /* may be lost */ :: else fi;
+  if :: ev != 0 -> if :: to_gw[r]!ev, att_of[r] :: skip fi :: else fi;
 #endif
 leak:
   epoch[r] = 0;
