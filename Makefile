@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2
 ARGS ?=
 
-.PHONY: up test test-fast test-fuzz test-compose test-multihost test-long test-chaos lint bench clean venv
+.PHONY: up test test-fast test-fuzz test-compose test-multihost test-long test-chaos verify lint bench clean venv
 
 $(VENV)/bin/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pdmesh needs Python >= 3.11 (3.11 is what CI tests; README: Supported Python); $(PYTHON) is " + sys.version.split()[0])'
@@ -78,6 +78,16 @@ test-chaos: $(VENV)/.installed-test
 test-fuzz: $(VENV)/.installed-test
 	PDMESH_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=5 \
 	  tests/isolation/test_fuzz.py tests/transports/test_framing.py $(ARGS)
+
+## make verify: explore the Promela model of the handoff (tests/model/handoff.pml) in full
+## with Spin, then each variant with one guard removed, expecting a counterexample for each
+## (tests/model/verify.py; ~4 minutes on 2 cores). Installs Debian's spin when missing.
+verify:
+	@command -v spin >/dev/null || { echo "verify: installing spin (Debian package)"; \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$sudo apt-get install -y -qq spin >/dev/null 2>&1 || \
+	  { $$sudo apt-get update -qq && $$sudo apt-get install -y -qq spin >/dev/null; }; }
+	$(PYTHON) tests/model/verify.py $(ARGS)
 
 ## make test-compose: build the image and run the lab stack for real under dockerd (root).
 test-compose: $(VENV)/.installed-test

@@ -1,33 +1,49 @@
 /*
  * pdmesh's request path and KV handoff as a Promela model (Spin), at the level of
- * docs/DESIGN.md. Not yet wired into make or CI, and its state space is not yet small
- * enough to explore in full (see below); to check it by hand:
+ * docs/DESIGN.md. `make verify` (tests/model/verify.py) explores its whole state space,
+ * then removes one guard at a time (the variants below) and expects a counterexample
+ * for each. By hand:
  *
- *   spin -a handoff.pml && gcc -O2 -DSAFETY -DNOCLAIM -DBITSTATE -DVECTORSZ=2048 -o pan pan.c
- *   ./pan -m2000000 -w30                          # safety: assertions and end states
- *   spin -DNO_FENCE_WAIT -a handoff.pml ...       # a variant: expect a counterexample
+ *   spin -a handoff.pml && gcc -O2 -DSAFETY -DNOCLAIM -DCOLLAPSE -o pan pan.c && ./pan -m100000
+ *   spin -DCONF_RESUME -a handoff.pml && ...                # the other configuration
+ *   spin -DNO_FENCE_WAIT -a handoff.pml && ...              # a variant
+ *   gcc -O2 -DCOLLAPSE -o pan pan.c && ./pan -a -f -N i6    # I6, under weak fairness
  *
- * A full search (-DCOLLAPSE instead of -DBITSTATE) does not fit in 20 GiB yet.
+ * Requests: r0 and r1 fit the served context, r2 does not (the incident's prompt). Decode's
+ * pool has two pages, so pages are leased again. Two configurations, each explored in full
+ * (together they are one too large a space for CI: two complete request lifecycles side by
+ * side are already 10^7 states):
+ *   default       r0, r1 and r2 share the pool: r0's pages go to r1 and back, across
+ *                 tenants; r1 is a well-behaved neighbour (never aborted, its reserve never
+ *                 times out, its prefill never dies or misbehaves; decode's liveness check
+ *                 still may end its lease at any point); r0 does not resume.
+ *   CONF_RESUME   r0 resumes once on LOST with a new attempt under the same reservation id,
+ *                 so its first attempt's late frames meet its second attempt's lease; r1
+ *                 does not run. Page bytes are never zeroed on free (content[] keeps the
+ * epoch whose bytes the page holds), so a read of a page this lease did not write sees
+ * another epoch's bytes.
  *
- * Three requests: r0 and r1 fit the served context, r2 does not (the incident's prompt).
- * Decode's pool has two pages, so pages are leased again to other requests and to a
- * request's resumed attempt. Page bytes are never zeroed on free (content[] keeps the epoch
- * of the last write), so a read of a page this lease did not write sees another epoch.
- * Control messages (Abort, Release, ReserveCancel, the dispatch, stream events) may be lost;
- * each sender's frames arrive in order on their own link, links interleave freely; a
- * prefill may die or be cut off at any chunk, or misbehave once (skip a page while holding
- * the key); a sender without the key injects one frame; decode's liveness check (heartbeat
- * loss, progress stall) may fire on any reservation not yet committed; a fence may time out
- * with a write in flight.
+ * Processes: Client(r) is the gateway's request and admission's handling of it (decide,
+ * reserve with a timeout and ReserveCancel, dispatch, the stream, resume on LOST for r0);
+ * Prefill(r, att, ep, n) is one prefill job; Receiver is decode's data-plane endpoint;
+ * Decode is decode's control loop over its pool; Attacker sends one frame without the key.
  *
- * Abstractions (each gives the protocol less than the code has, so what holds here holds
+ * Faults: control messages (Abort, Release, ReserveCancel, the dispatch, reserve replies,
+ * stream events) may be lost; each sender's messages arrive in order on its own link and
+ * links interleave freely (NATS orders per publisher, no more); a prefill may die or be
+ * cut off at any chunk (an abort it sees is the same step), or misbehave once (skip a page
+ * while holding the key); decode's liveness check (heartbeat loss, progress stall) may
+ * fire on any reservation not yet committed; a fence may end with a write in flight.
+ *
+ * Abstractions, each giving the protocol less than the code has (so what holds here holds
  * there): the reservation id is the request's index, reused by its resumed attempt (the
- * code's is a fresh UUID); the frame MAC is "only a key holder of this reservation id" (the
- * code's key is fresh per reservation and bound to the epoch); the receiver does not check
- * page order or duplicates (the code does); a page holds a whole request's worth of tokens.
+ * code's is a fresh UUID per reservation); the frame MAC is "a key holder of this
+ * reservation id" (the code's key is fresh per reservation and bound to the epoch); the
+ * receiver does not check page order or duplicates (the code does); a page holds a whole
+ * request's worth of tokens; admission is modelled per request, so admissions of
+ * different requests interleave freely.
  *
- * Variants (one guard removed each, selected with spin -D<NAME>; each should give a
- * counterexample):
+ * Variants (one guard removed each, selected with spin -D<NAME>):
  *   NO_REJECT_FIRST   admission reserves before it decides
  *   INCIDENT          a rejected prompt goes on as a 1-page stub into a full reservation
  *   NO_EPOCH_CHECK    the receiver takes a frame whatever its epoch
@@ -35,25 +51,31 @@
  *   NO_COVERAGE       the receiver accepts a commit whatever pages landed
  *   WRITTEN_EARLY     decode reads when prefill says it is done, not on the verified commit
  *   NO_FENCE_WAIT     fence returns with a write still in flight
- *   NO_QUARANTINE     a fence that timed out frees the pages instead of setting them aside
+ *   NO_QUARANTINE     a fence that ended with a write in flight frees the pages
  *   TELL_FIRST        decode tells the client before it frees (a failed publish leaks)
  *   RELEASE_TWICE     a late Abort frees a lease's pages again (release not idempotent)
  */
 
 #define NREQ    3
+#ifdef CONF_RESUME
+#define RESUME   true    /* r0 resumes once on LOST; r1 does not run */
+#define PLAIN(r) false
+#else
+#define RESUME   false   /* r0 and r1 share the pool; r1 is a well-behaved neighbour */
+#define PLAIN(r) ((r) == 1)
+#endif
 #define NPAGES  2
 #define CTX     1        /* served context, in pages */
-#define MAXATT  2        /* a request's first attempt and one resume */
-#define NLINKS  6        /* one data link per (request, attempt) */
+#define NLINKS  4        /* data links: r0 attempt 0, r0 attempt 1, r1, r2 */
+#define LINK(r, att) ((r) == 0 -> (att) : (r) + 1)
 
 #define FREE    0
 #define QUAR    254      /* quarantined: never leased again */
 #define FOREIGN 253      /* bytes from a sender without the key */
 
-mtype = { ADMITTED, REJECTED, SATURATED,            /* admission -> gateway */
-          RESERVE, CANCEL,                          /* admission -> decode */
+mtype = { RESERVE, CANCEL,                          /* admission -> decode */
           RELEASE, DONE,                            /* prefill -> decode */
-          ABORT,                                    /* gateway -> workers */
+          ABORT,                                    /* gateway -> decode */
           FINISHED, FAILED, LOST,                   /* worker -> gateway (stream) */
           DATA, COMMIT };                           /* prefill -> decode (data plane) */
 
@@ -79,25 +101,27 @@ byte pg[NREQ * 2];       /* the lease's pages (need <= 2) */
 bool live[NREQ];
 byte landed[NREQ];       /* bit i: page i of this epoch's transfer landed */
 byte inflight[NREQ];     /* accepted writes not yet ended */
-bool fenced[NREQ];       /* a fence returned for the current epoch */
 
 bool rejected[NREQ];
 bool dispatched[NREQ];
-bool aborted[NLINKS];    /* the Abort broadcast, as prefill's job sees it */
 byte faults = 0;         /* misbehaviour budget of the prefills */
 
-chan submit = [NREQ] of { byte, byte };
-chan sreply[NREQ] = [1] of { mtype };
-chan to_dec = [4] of { mtype, byte, byte };
-chan res_reply = [6] of { byte, byte, byte };
-chan from_pf = [6] of { mtype, byte, byte };
-chan from_gw = [6] of { mtype, byte, byte };
-chan committed = [4] of { byte, byte };
-chan rfailed = [4] of { byte, byte };
-chan to_gw[NREQ] = [4] of { mtype, byte };
-chan data[NLINKS] = [3] of { mtype, byte, byte, byte, bool };
+/* a message to a process that may have stopped reading (a client that left, a reserve that
+   timed out) is dropped when its queue is full; a lost reply is the caller's timeout and a
+   lost stream event the client's abort, both modelled on their own */
+#define TELL(r, ev, att)  if :: nfull(to_gw[r]) -> to_gw[r]!ev, att :: full(to_gw[r]) fi
+#define REPLY(r, att, ep) if :: nfull(res_reply[r]) -> res_reply[r]!att, ep :: full(res_reply[r]) fi
+
+chan to_dec = [2] of { mtype, byte, byte };          /* admission's publisher */
+chan res_reply[NREQ] = [1] of { byte, byte };        /* attempt, epoch (0: saturated) */
+chan from_pf[NLINKS] = [1] of { mtype, byte, byte };
+chan from_gw = [2] of { byte, byte };                /* Abort: r, attempt */
+chan committed = [2] of { byte, byte };
+chan rfailed = [2] of { byte, byte };
+chan to_gw[NREQ] = [2] of { mtype, byte };
+chan data[NLINKS] = [2] of { mtype, byte, byte, byte, bool };
 chan atk = [1] of { mtype, byte, byte, byte, bool };
-chan writes = [4] of { byte, byte, byte, byte, bool };  /* r, slot epoch, page, index, key */
+chan writes = [2] of { byte, byte, byte, byte, byte };  /* r, slot epoch, page, index, bytes */
 
 /* ---------------------------------------------------------------- the invariants */
 /* I1: a rejected request never holds a reservation or reaches a worker */
@@ -108,122 +132,116 @@ chan writes = [4] of { byte, byte, byte, byte, bool };  /* r, slot epoch, page, 
     (need[b] < 2 || (pg[a*2] != pg[b*2+1] && (need[a] < 2 || pg[a*2+1] != pg[b*2+1]))))
 
 active proctype Invariants() {
-end: atomic {
-    !(I1(0) && I1(1) && I1(2) && DISTINCT(0, 1) && DISTINCT(0, 2) && DISTINCT(1, 2)) ->
-    assert(I1(0) && I1(1) && I1(2));
-    assert(DISTINCT(0, 1) && DISTINCT(0, 2) && DISTINCT(1, 2))
-  }
+end:
+  do
+  :: atomic {
+       !(I1(0) && I1(1) && I1(2) && DISTINCT(0, 1) && DISTINCT(0, 2) && DISTINCT(1, 2)) ->
+       assert(I1(0) && I1(1) && I1(2));
+       assert(DISTINCT(0, 1) && DISTINCT(0, 2) && DISTINCT(1, 2))
+     }
+  /* I6 where the system comes to rest: no lease is left. Every run of this model is finite
+     (each loop consumes a message or ends a lease, and decode's liveness check can end any
+     uncommitted one), so this is the liveness property below checked as safety. */
+  :: timeout -> assert(leased == 0)
+  od
 }
 
 /* I6 (liveness, under weak fairness): every lease is eventually freed or quarantined */
 ltl i6 { <> [] (leased == 0) }
 
-/* ---------------------------------------------------------------- the gateway */
-proctype Gateway(byte r) {
-  byte att = 0, a;
-  mtype ans, ev;
-again:
-  submit!r, att;
-  sreply[r]?ans;
-  if
-  :: ans != ADMITTED -> goto done
-  :: else
-  fi;
-  do
-  :: to_gw[r]?ev, a ->
-     if
-     :: a != att -> skip                           /* an earlier attempt's event */
-     :: a == att && ev == LOST && att + 1 < MAXATT ->
-        if :: from_gw!ABORT, r, att :: skip fi;  /* the lost attempt is aborted (may be lost) */
-        aborted[r * MAXATT + att] = true;
-        att++;
-        goto again                                  /* resume: a new attempt */
-     :: else -> goto done
-     fi
-  :: if :: from_gw!ABORT, r, att :: skip fi;  /* client gone or deadline (may be lost) */
-     aborted[r * MAXATT + att] = true;
-     goto done
-  od;
-done:
-  skip
-}
-
 /* ---------------------------------------------------------------- prefill's job */
 proctype Prefill(byte r, att, ep, n) {
   byte i = 0;
-  byte j = r * MAXATT + att;
+  byte j = LINK(r, att);
   if
   :: skip
-  :: if :: from_pf!RELEASE, r, att :: skip fi;  /* refuses: tells decode, then the client */
-     if :: to_gw[r]!FAILED, att :: skip fi;
+  :: !PLAIN(r) -> atomic {                        /* refuses: tells decode, then the client */
+       if :: from_pf[j]!RELEASE, r, att :: skip fi;
+       TELL(r, FAILED, att)
+     };
      goto quit
   fi;
   do
   :: i < n ->
      if
-     :: aborted[j] -> goto quit                    /* an abort, seen at a chunk boundary */
-     :: goto quit                                  /* dies or is cut off: silent from here */
-     :: data[j]!DATA, r, ep, i, true; i++
-     :: atomic { faults == 0 -> faults++; i++ }    /* misbehaves: skips a page it holds the key for */
+     :: !PLAIN(r) -> goto quit                     /* dies, is cut off, or sees an abort */
+     :: atomic { data[j]!DATA, r, ep, i, true; i++ }
+     :: atomic { !PLAIN(r) && faults == 0 -> faults++; i++ }    /* misbehaves: skips a page it holds the key for */
      fi
   :: i == n -> break
   od;
   data[j]!COMMIT, r, ep, n, true;
-  if :: from_pf!DONE, r, att :: skip fi;
+  if :: from_pf[j]!DONE, r, att :: skip fi;
 quit:
-  skip
+  atomic { i = 0; j = 0; r = 0; att = 0; ep = 0; n = 0 }  /* a finished job's locals: one state */
 }
 
-/* ---------------------------------------------------------------- admission */
-active proctype Admission() {
-  byte r, att, ep, rr, ra, n;
-end:
-  do
-  :: submit?r, att ->
-     n = need[r];
+/* ------------------------------------------- the gateway's request and admission's part */
+proctype Client(byte r) {
+  byte att = 0, ep, ra, n;
+  mtype ev;
+again:
+  atomic {
+    n = need[r];
 #ifdef NO_REJECT_FIRST
-     to_dec!RESERVE, r, att;          /* the reservation goes out before the decision */
+    to_dec!RESERVE, r, att;                        /* the reservation goes out before the decision */
 #endif
-     if
-     :: need[r] > CTX ->              /* decide() */
-        rejected[r] = true;
+    if
+    :: need[r] > CTX ->                            /* decide() */
+       rejected[r] = true;
 #ifdef INCIDENT
-        n = 1;                        /* "rejected", yet passed on as a stub */
-        goto reserve;
+       n = 1;                                      /* "rejected", yet passed on as a stub */
+       goto reserve;
 #endif
-        sreply[r]!REJECTED
-     :: else ->
+       goto done
+    :: else
+    fi
+  };
 reserve:
 #ifndef NO_REJECT_FIRST
-        to_dec!RESERVE, r, att;
+  to_dec!RESERVE, r, att;
 #endif
-        do
-        :: res_reply?rr, ra, ep ->
-           if
-           :: rr == r && ra == att -> break
-           :: else -> skip            /* a late reply to a reserve that timed out */
-           fi
-        :: ep = 0;                    /* the reserve call timed out */
-           if :: to_dec!CANCEL, r, att :: skip fi;
-           break
-        od;
-        if
-        :: ep == 0 -> sreply[r]!SATURATED
-        :: else ->
-           dispatched[r] = true;
-           if :: run Prefill(r, att, ep, n) :: skip fi;  /* the dispatch (may be lost) */
-           sreply[r]!ADMITTED
-        fi
+  do
+  :: res_reply[r]?ra, ep ->
+     if
+     :: ra == att -> break
+     :: else -> skip                               /* a late reply to a reserve that timed out */
      fi
-  od
+  :: !PLAIN(r) -> ep = 0;                          /* the reserve call timed out */
+     if :: to_dec!CANCEL, r, att :: skip fi;
+     break
+  od;
+  if
+  :: ep == 0 -> goto done                          /* saturated: the client gets a 503 */
+  :: else
+  fi;
+  /* the dispatch (a lost one is a prefill that dies before its first frame) */
+  atomic { dispatched[r] = true; run Prefill(r, att, ep, n) };
+  do
+  :: to_gw[r]?ev, ra ->
+     if
+     :: ra != att -> skip                          /* an earlier attempt's event */
+     :: ra == att && ev == LOST && r == 0 && att == 0 && RESUME ->
+        if :: from_gw!r, att :: skip fi;           /* the lost attempt is aborted (may be lost) */
+        att++;
+        goto again                                 /* resume: a new attempt */
+     :: else -> goto done
+     fi
+  :: !PLAIN(r) ->                                 /* client gone or deadline */
+     if :: from_gw!r, att :: skip fi;              /* (the Abort may be lost) */
+     goto done
+  od;
+done:
+  atomic { att = 0; ep = 0; ra = 0; n = 0; ev = 0 }
 }
 
-/* a sender without the key: one frame, any reservation, any epoch */
+/* a sender without the key: one frame for r0's reservation id, either of its epochs (r0
+   stands for any request: the attacker gains nothing from choosing r1) */
 active proctype Attacker() {
-  byte r, ep;
-  select(r : 0 .. 1);
-  select(ep : 1 .. 3);
-  atk!DATA, r, ep, 0, false
+  if
+  :: atk!DATA, 0, 1, 0, false
+  :: atk!DATA, 0, 2, 0, false
+  fi
 }
 
 /* ---------------------------------------------------------------- decode's receiver */
@@ -250,7 +268,10 @@ inline frame(kind, r, ep, idx, key) {
 #endif
         :: else ->                                  /* the write into the page begins */
            inflight[r]++;
-           writes!r, epoch[r], pg[r * 2 + idx], idx, key
+           if
+           :: key -> writes!r, epoch[r], pg[r * 2 + idx], idx, ep
+           :: else -> writes!r, epoch[r], pg[r * 2 + idx], idx, FOREIGN
+           fi
         fi
      fi
   :: kind == COMMIT ->
@@ -263,7 +284,8 @@ inline frame(kind, r, ep, idx, key) {
         :: else -> skip
         fi
      fi
-  fi
+  fi;
+  kind = 0; r = 0; ep = 0; idx = 0; key = false
 }
 
 active proctype Receiver() {
@@ -276,16 +298,15 @@ end:
   :: atomic { data[1]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
   :: atomic { data[2]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
   :: atomic { data[3]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
-  :: atomic { data[4]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
-  :: atomic { data[5]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
   :: atomic { atk?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
-  :: atomic { writes?r, ep, p, idx, key ->          /* a write in flight ends: its bytes land */
+  :: atomic { writes?r, ep, p, idx, kind ->         /* a write in flight ends: its bytes land */
      /* I3: no byte lands in a lease after its fence returned, nor in another lease
         (a quarantined page may still take it: it is never leased again) */
-     assert(owner[p] == QUAR || (owner[p] == ep && !(fenced[r] && epoch[r] == ep)));
-     if :: key -> content[p] = ep :: else -> content[p] = FOREIGN fi;
+     assert(owner[p] == QUAR || owner[p] == ep);
+     content[p] = kind;
      if :: epoch[r] == ep -> landed[r] = landed[r] | (1 << idx) :: else fi;
-     inflight[r]-- }
+     inflight[r]--;
+     kind = 0; r = 0; ep = 0; idx = 0; p = 0 }
   od
 }
 
@@ -294,7 +315,7 @@ inline allocate(r, ok) {
   ok = false;
   if
   :: leased + need[r] <= NPAGES ->
-     byte k = 0, p = 0;
+     k = 0; p = 0;
      do
      :: k == need[r] -> break
      :: k < need[r] && p < NPAGES && owner[p] == FREE ->
@@ -314,31 +335,31 @@ inline allocate(r, ok) {
         epoch[r] = next_epoch;
         next_epoch++
      :: else
-     fi
+     fi;
+     k = 0; p = 0
   :: else
   fi
 }
 
 inline free_pages(r, e, to) {
-  byte q = 0;
+  k = 0;
   do
-  :: q < need[r] ->
-#ifdef RELEASE_TWICE
-     owner[pg[r * 2 + q]] = to;
-#else
-     assert(owner[pg[r * 2 + q]] == e);
-     owner[pg[r * 2 + q]] = to;
+  :: k < need[r] ->
+#ifndef RELEASE_TWICE
+     assert(owner[pg[r * 2 + k]] == e);
 #endif
-     q++
+     owner[pg[r * 2 + k]] = to;
+     k++
   :: else -> break
   od;
+  k = 0;
   leased = leased - need[r]
 }
 
 /* fence, then free or quarantine, then tell: every terminal path of decode */
 inline conclude(r, ev) {
-  byte e = epoch[r];
-  bool quar = false;
+  e = epoch[r];
+  quar = false;
   live[r] = false;                                  /* fence: no new write starts */
   if
   :: inflight[r] == 0
@@ -352,7 +373,6 @@ inline conclude(r, ev) {
      :: quar = true                                 /* its end cannot be established */
      fi
   fi;
-  if :: !quar -> fenced[r] = true :: else fi;        /* fence returned (else it raised) */
 #ifdef TELL_FIRST
   if
   :: ev != 0 -> if :: to_gw[r]!ev, att_of[r] :: goto leak fi   /* a failed publish raises */
@@ -365,28 +385,52 @@ inline conclude(r, ev) {
   free_pages(r, e, FREE);
 #endif
 #ifndef TELL_FIRST
-  if :: ev != 0 -> if :: to_gw[r]!ev, att_of[r] :: skip fi :: else fi;
+  if :: ev != 0 -> TELL(r, ev, att_of[r]) :: else fi;
 #endif
 leak:
   epoch[r] = 0;
-  state[r] = S_NONE
+  state[r] = S_NONE;
+  landed[r] = 0;
+#ifndef RELEASE_TWICE
+  att_of[r] = 0;                                    /* unread until the next reserve */
+  pg[r * 2] = 255; pg[r * 2 + 1] = 255;
+#endif
+  e = 0; quar = false
 }
 
 inline read_pages(r) {                              /* the first decode step's attention */
-  byte q = 0;
+  k = 0;
   do
-  :: q < need[r] ->
+  :: k < need[r] ->
      /* I2: decode reads only pages written in its own lease's epoch */
-     assert(owner[pg[r * 2 + q]] == epoch[r] && content[pg[r * 2 + q]] == epoch[r]);
-     q++
+     assert(owner[pg[r * 2 + k]] == epoch[r] && content[pg[r * 2 + k]] == epoch[r]);
+     k++
   :: else -> break
-  od
+  od;
+  k = 0
+}
+
+inline pf_msg(j) {
+  atomic { from_pf[j]?kind, r, att ->
+    if
+    :: kind == RELEASE && epoch[r] != 0 && att_of[r] == att -> conclude(r, FAILED)
+#ifdef WRITTEN_EARLY
+    :: kind == DONE && epoch[r] != 0 && att_of[r] == att && state[r] == S_RESERVED ->
+       state[r] = S_WRITTEN; read_pages(r); conclude(r, FINISHED)
+#endif
+    :: else
+    fi;
+    kind = 0; r = 0; att = 0 }
+}
+
+inline stall(x) {
+  atomic { epoch[x] != 0 && state[x] == S_RESERVED -> conclude(x, LOST) }
 }
 
 active proctype Decode() {
   mtype kind;
-  byte r, att, ep;
-  bool ok;
+  byte r, att, ep, e, k, p;
+  bool ok, quar;
 end:
   do
   :: atomic { to_dec?kind, r, att ->
@@ -398,50 +442,56 @@ end:
         if
         :: ok ->
            att_of[r] = att; state[r] = S_RESERVED;
-           live[r] = true; landed[r] = 0; fenced[r] = false;
-           res_reply!r, att, epoch[r]
-        :: else -> res_reply!r, att, 0               /* saturated: admission places elsewhere */
+           live[r] = true; landed[r] = 0;
+           REPLY(r, att, epoch[r])
+        :: else -> REPLY(r, att, 0)                  /* saturated */
         fi
      :: kind == CANCEL ->                            /* quiet: no word on the stream */
         if :: epoch[r] != 0 && att_of[r] == att && state[r] == S_RESERVED -> conclude(r, 0)
            :: else fi
-     fi }
-  :: atomic { from_pf?kind, r, att ->
-     if
-     :: kind == RELEASE && epoch[r] != 0 && att_of[r] == att -> conclude(r, FAILED)
-#ifdef WRITTEN_EARLY
-     :: kind == DONE && epoch[r] != 0 && att_of[r] == att && state[r] == S_RESERVED ->
-        state[r] = S_WRITTEN; read_pages(r); conclude(r, FINISHED)
-#endif
-     :: else
-     fi }
-  :: atomic { from_gw?kind, r, att ->                         /* Abort */
+     fi;
+     kind = 0; r = 0; att = 0; ok = false }
+  :: pf_msg(0)
+  :: pf_msg(1)
+  :: pf_msg(2)
+  :: pf_msg(3)
+  :: atomic { from_gw?r, att ->                      /* Abort */
 #ifdef RELEASE_TWICE
      if :: att_of[r] == att && state[r] == S_NONE && pg[r * 2] != 255 ->
              free_pages(r, 0, FREE); leased = leased + need[r]
         :: else fi;
 #endif
-     if :: epoch[r] != 0 && att_of[r] == att -> conclude(r, 0) :: else fi }
-  :: atomic { committed?r, ep ->                              /* the verified commit */
+     if :: epoch[r] != 0 && att_of[r] == att -> conclude(r, 0) :: else fi;
+     r = 0; att = 0 }
+  :: atomic { committed?r, ep ->                     /* the verified commit */
      if
      :: epoch[r] == ep && state[r] == S_RESERVED ->
         state[r] = S_WRITTEN;                        /* marked written only now */
         read_pages(r);
         conclude(r, FINISHED)
      :: else
-     fi }
+     fi;
+     r = 0; ep = 0 }
   :: atomic { rfailed?r, ep ->
-     if :: epoch[r] == ep && state[r] == S_RESERVED -> conclude(r, FAILED) :: else fi }
+     if :: epoch[r] == ep && state[r] == S_RESERVED -> conclude(r, FAILED) :: else fi;
+     r = 0; ep = 0 }
   /* prefill silent for a reservation not yet committed: heartbeat loss or progress stall */
-  :: atomic { epoch[0] != 0 && state[0] == S_RESERVED -> r = 0; conclude(r, LOST) }
-  :: atomic { epoch[1] != 0 && state[1] == S_RESERVED -> r = 1; conclude(r, LOST) }
-  :: atomic { epoch[2] != 0 && state[2] == S_RESERVED -> r = 2; conclude(r, LOST) }
+  :: stall(0)
+  :: stall(1)
+  :: stall(2)
   od
 }
 
 init {
-  need[0] = 1; need[1] = 1; need[2] = 2;
   byte i = 0;
-  do :: i < NREQ * 2 -> pg[i] = 255; i++ :: else -> break od;
-  atomic { run Gateway(0); run Gateway(1); run Gateway(2) }
+  atomic {
+    need[0] = 1; need[1] = 1; need[2] = 2;
+    do :: i < NREQ * 2 -> pg[i] = 255; i++ :: else -> break od;
+    i = 0;
+    run Client(0);
+#ifndef CONF_RESUME
+    run Client(1);
+#endif
+    run Client(2)
+  }
 }
