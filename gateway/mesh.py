@@ -257,6 +257,8 @@ class MeshClient:
                 state.nats_sub = await self._listen(state, choice.stream_key)
                 held.append(state)
                 self._inflight[choice.request_id] = state
+            if self.rt.trace is not None:
+                self.rt.trace.emit("submit", req=req.request_id)
             try:
                 reply = await self.rt.request(m.SUBMIT_SUBJECT, req, m.SubmitReply,
                                               self.submit_timeout_s, headers=headers)

@@ -18,6 +18,10 @@ this lease at this index", nothing else, and the write check accepts only the fi
 unpinned cached page can be evicted back to FREE; allocation asks the cache (`reclaimer`) to
 evict when free pages run short. free + leased + cached == total, checked by
 `check_integrity`.
+
+Observer: `observer`, when set (the owning service's protocol trace, off by default), is
+called with `(event, fields)` after each lease, free, quarantine, cache, evict, written and
+read; every event names the pool (`pool`). The decode step's batched calls report nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class KVPool:
         # Called with a number of pages when an allocation finds too few free; returns how
         # many it freed (the prefix cache evicts its LRU unpinned pages). Never frees pins.
         self.reclaimer: Callable[[int], int] | None = None
+        # The protocol trace's callback (module docstring); None: nothing is reported.
+        self.observer: Callable[[str, dict], None] | None = None
         self._prefix_written: dict[str, int] = {}
         self._next_epoch = 1
         self.stats = PoolStats()
@@ -206,6 +212,11 @@ class KVPool:
             self._sharing.add(lease.lease_id)
         self._prefix_written[lease.lease_id] = lease.cached_tokens
         self.stats.allocations += 1
+        if self.observer is not None:
+            self.observer("lease", {"pool": self.pool_id, "lease": lease.lease_id,
+                                    "req": request_id, "epoch": epoch,
+                                    "pages": list(page_ids), "shared": shared,
+                                    "tokens": num_tokens})
         return lease
 
     def release(self, lease: Lease, cause: str) -> None:
@@ -229,6 +240,9 @@ class KVPool:
             owned.append(page_id)
         self._free_pages(owned)
         self.stats.releases += 1
+        if self.observer is not None:
+            self.observer("free", {"pool": self.pool_id, "lease": lease.lease_id,
+                                   "epoch": lease.epoch, "pages": owned, "cause": cause})
 
     def quarantine(self, lease: Lease, cause: str) -> None:
         """End the lease like `release`, except that its own pages never go back to the
@@ -243,16 +257,21 @@ class KVPool:
         self._sharing.discard(lease.lease_id)
         lease._live = False
         lease.release_cause = f"quarantined: {cause}"
+        owned = []
         for page_id, mark in zip(lease.page_ids, marks.tolist(), strict=True):
             if mark == page_id:
                 self._page_refs[page_id] -= 1  # a cached page is only read: it stays cached
                 continue
+            owned.append(page_id)
             self._page_epoch[page_id] = QUARANTINED_EPOCH
             self._page_owner[page_id] = None
             self._page_written[page_id] = 0
             self._page_generation[page_id] += 1
             self._quarantined.add(page_id)
         self.stats.releases += 1
+        if self.observer is not None:
+            self.observer("quarantine", {"pool": self.pool_id, "lease": lease.lease_id,
+                                         "epoch": lease.epoch, "pages": owned, "cause": cause})
 
     def _free_pages(self, page_ids: list[int]) -> None:
         for page_id in page_ids:
@@ -290,6 +309,9 @@ class KVPool:
         self._sharing.add(lease.lease_id)
         lease.page_shared[page_index] = True
         self.stats.pages_cached += 1
+        if self.observer is not None:
+            self.observer("cache", {"pool": self.pool_id, "lease": lease.lease_id,
+                                    "epoch": lease.epoch, "page": page_id})
         return page_id
 
     def evict(self, page_id: int) -> None:
@@ -302,6 +324,8 @@ class KVPool:
         self._cached[page_id] = False
         self._free_pages([page_id])
         self.stats.pages_evicted += 1
+        if self.observer is not None:
+            self.observer("evict", {"pool": self.pool_id, "page": int(page_id)})
 
     # ---- checked access (I2) ----------------------------------------------------------
     def _deny(self, lease: Lease, page_id: int | None, reason: str) -> LeaseAccessError:
@@ -385,6 +409,8 @@ class KVPool:
             if (epochs.tobytes() == cached[1][:8 * count]  # guard: lease-read-check-inline
                     and num_tokens <= self._prefix_written.get(
                         lease.lease_id, 0)):  # guard: lease-read-check-inline-written
+                if self.observer is not None:
+                    self._observe_read(lease, num_tokens)
                 return
         self._check_lease(lease)
         self._check_pages(lease, 0, pages_for(num_tokens, lease.page_tokens), shared_ok=True)
@@ -396,6 +422,13 @@ class KVPool:
                 lease.page_ids[page_index],
                 f"read of {num_tokens} tokens but only {written} written in this epoch",
             )
+        if self.observer is not None:
+            self._observe_read(lease, num_tokens)
+
+    def _observe_read(self, lease: Lease, num_tokens: int) -> None:
+        assert self.observer is not None
+        self.observer("read", {"pool": self.pool_id, "lease": lease.lease_id,
+                               "epoch": lease.epoch, "tokens": num_tokens})
 
     def check_writable(self, lease: Lease, start: int, num_tokens: int) -> None:
         """Raise LeaseAccessError unless `lease` may write tokens [start, start+num_tokens)."""
@@ -480,11 +513,19 @@ class KVPool:
                     lease.page_written[page_index] = offset + 1
                     written[lease.lease_id] = position + 1
                     continue
-            self.mark_written(lease, page_index, offset + 1)
+            self._mark_written(lease, page_index, offset + 1)
 
     def mark_written(self, lease: Lease, page_index: int, num_tokens: int) -> None:
         """Record that page `page_index` of `lease` now holds `num_tokens` valid tokens
         (counted from the start of the page; counts never go down)."""
+        page_id, count = self._mark_written(lease, page_index, num_tokens)
+        if self.observer is not None:
+            self.observer("written", {"pool": self.pool_id, "lease": lease.lease_id,
+                                      "epoch": lease.epoch, "page": page_id, "tokens": count})
+
+    def _mark_written(self, lease: Lease, page_index: int, num_tokens: int) -> tuple[int, int]:
+        """mark_written without the observer (a decode step's tokens are not reported);
+        the page id and its written count."""
         if not 0 <= page_index < lease.num_pages:
             raise self._deny(lease, None, f"page index {page_index} out of range")
         if not 0 <= num_tokens <= lease.page_tokens:
@@ -504,6 +545,7 @@ class KVPool:
                 break
             index += 1
         self._prefix_written[lease.lease_id] = prefix
+        return page_id, count
 
     def mark_written_range(self, lease: Lease, start: int, num_tokens: int) -> None:
         """mark_written for every page touched by tokens [start, start+num_tokens)."""

@@ -124,6 +124,14 @@ SendItem = Frame | Delay | Cut
 FrameFilter = Callable[[TransferPlan], Callable[[list[Frame]], Iterable[SendItem]] | None]
 
 
+def _decoded(header: Any) -> FrameHeader | None:
+    """The header of a refused frame, for the protocol trace (None: it does not decode)."""
+    try:
+        return decode_header(header)
+    except FrameError:
+        return None
+
+
 def parse_address(address: str, scheme: str) -> tuple[str, int]:
     """`scheme://host:port` -> (host, port); ValueError otherwise."""
     prefix = f"{scheme}://"
@@ -300,6 +308,11 @@ class TransportCore(abc.ABC):
         if self._on_event is not None:
             self._on_event(event, rid, reason)
 
+    def set_trace(self, trace: Callable[[str, dict], None] | None) -> None:
+        """Report the receiving side's protocol actions to `trace` (receiver.py `trace`;
+        None: off). The owning service sets it when its protocol trace is on."""
+        self._table.trace = trace
+
     # -- receiver ----------------------------------------------------------------------
     def expect(self, target: ExpectedTransfer) -> asyncio.Future[TransferResult]:
         if self._closed:
@@ -358,6 +371,8 @@ class TransportCore(abc.ABC):
                 except FrameError as exc:  # malformed or unauthenticated: drop, close
                     reason, detail = exc.reason, exc.detail
                     self.stats.frames_rejected[reason] += 1
+                    if self._table.trace is not None:
+                        self._table.dropped(_decoded(header), reason)
                     await self._send_reply(link, nack_frame(_NO_RESERVATION, 0, reason, detail))
                     break
                 paused = bool(h.flags & PAUSE)  # guard: stream-pause

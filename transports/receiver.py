@@ -6,6 +6,14 @@ against them, commit verification, fencing and poisoning. Transports do only the
     # slot.live (checked synchronously right before every write)
     nack = table.data_done(slot, header)               # payload checksum
     reply = table.check_commit(header, conn_id)        # ACK or NACK frame bytes
+
+`trace`, when set (the owning service's protocol trace; off by default), is called with
+`(event, fields)` for each expectation registered (expect), DATA frame accepted (accept)
+and its write ended (land), commit verified or refused (commit), slot failed (fail),
+fence (fence) and frame refused (drop); `lease` is the reservation id. Every accepted
+page is reported landed once no write into it can still happen: by `data_done`, or when
+the failed slot is finalized (the writes in flight ended); never for a slot whose write's
+end is unknown (QUARANTINED).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import asyncio
 import collections
 import time
 import uuid
+from collections.abc import Callable
 
 from .base import POISON_BYTE, EventCallback, ExpectedTransfer, TransferResult, TransportStats
 from .errors import AuthError, Reason, TransferError
@@ -56,6 +65,7 @@ class Slot:
         self.failure: TransferError | None = None  # decided but waiting for writes to end
         self.quarantined = False  # a write whose end could not be established
         self.finalized = asyncio.Event()
+        self.unlanded: set[int] = set()  # traced: pages accepted whose landing is not told
         self.started = time.perf_counter()
         self.deadline_handle: asyncio.TimerHandle | None = None
         self.views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b)
@@ -79,6 +89,7 @@ class ReceiveTable:
         self._finished: collections.OrderedDict[bytes, Reason] = collections.OrderedDict()
         self._finished_page_bytes: dict[bytes, int] = {}  # same keys as _finished
         self.nack_sink = None  # callable(conn_id, frame_bytes): post a NACK on a connection
+        self.trace: Callable[[str, dict], None] | None = None  # module docstring
 
     # -- registration ------------------------------------------------------------------
     def expect(self, target: ExpectedTransfer) -> asyncio.Future[TransferResult]:
@@ -104,6 +115,9 @@ class ReceiveTable:
         slot.deadline_handle = loop.call_later(
             max(0.0, target.deadline_s), self.fail, slot, Reason.DEADLINE,
             f"no verified commit within {target.deadline_s}s")
+        if self.trace is not None:
+            self.trace("expect", {"lease": target.reservation_id, "epoch": target.epoch,
+                                  "pages": target.num_pages})
         return slot.fut
 
     def page_bytes_for(self, reservation: bytes) -> int:
@@ -176,6 +190,10 @@ class ReceiveTable:
         slot.conn_id = conn_id
         slot.next_seq += 1
         slot.next_index += 1
+        if self.trace is not None:
+            slot.unlanded.add(h.page_index)
+            self.trace("accept", {"lease": t.reservation_id, "epoch": t.epoch,
+                                  "index": h.page_index})
         return slot, None
 
     def data_done(self, slot: Slot, h: FrameHeader, actual: int | None = None) -> bytes | None:
@@ -183,6 +201,8 @@ class ReceiveTable:
         `actual`: the landed page's checksum when the caller already computed it (after the
         write into the page ended). A `DEFERRED` frame carries none: the page's checksum is
         recorded and the COMMIT's digest (`check_commit`) verifies it."""
+        if self.trace is not None:
+            self._landed(slot, h.page_index)
         if not slot.live:
             return None
         self.stats.frames_received += 1
@@ -200,6 +220,9 @@ class ReceiveTable:
         slot = self._slots.get(h.reservation)
         if slot is None:
             reason = self._finished.get(h.reservation, Reason.UNKNOWN_RESERVATION)
+            if self.trace is not None:
+                self.trace("commit", {"lease": str(uuid.UUID(bytes=h.reservation)),
+                                      "epoch": h.epoch, "ok": False, "reason": reason.name})
             return self._reject(h, reason, "commit for no live expectation")
         t = slot.target
         reason, detail = Reason.OK, ""
@@ -217,8 +240,14 @@ class ReceiveTable:
                 [slot.page_checksums.get(i, 0) for i in range(t.num_pages)]):
             reason, detail = Reason.BAD_CHECKSUM, "commit digest mismatch"
         if reason is not Reason.OK:
+            if self.trace is not None:
+                self.trace("commit", {"lease": t.reservation_id, "epoch": t.epoch,
+                                      "ok": False, "reason": reason.name})
             self.fail(slot, reason, detail, notify=False)
             return self._reject(h, reason, detail)
+        if self.trace is not None:
+            self.trace("commit", {"lease": t.reservation_id, "epoch": t.epoch, "ok": True,
+                                  "reason": ""})
         self._finish(slot, Reason.OK)
         written = t.page_ids[: t.num_pages]
         result = TransferResult(t.reservation_id, t.epoch, t.num_tokens, h.aux, written,
@@ -248,6 +277,9 @@ class ReceiveTable:
             return
         slot.live = False
         slot.failure = TransferError(slot.target.reservation_id, reason, detail)
+        if self.trace is not None:
+            self.trace("fail", {"lease": slot.target.reservation_id,
+                                "epoch": slot.target.epoch, "reason": reason.name})
         self._finish(slot, reason)
         if notify and slot.conn_id is not None and self.nack_sink is not None:
             self.nack_sink(slot.conn_id, nack_frame(slot.key, slot.target.epoch, reason, detail))
@@ -284,6 +316,9 @@ class ReceiveTable:
     def _finalize(self, slot: Slot) -> None:
         err = slot.failure
         assert err is not None and slot.writing == 0
+        if self.trace is not None and not slot.quarantined:
+            for index in sorted(slot.unlanded):  # no write into them can happen any more
+                self._landed(slot, index)
         if self._draining.get(slot.key) is slot:
             del self._draining[slot.key]
         poisoned = []
@@ -323,7 +358,22 @@ class ReceiveTable:
     def _reject(self, h: FrameHeader, reason: Reason, detail: str) -> bytes:
         self.stats.frames_rejected[reason] += 1
         self._event("rejected_frame", str(uuid.UUID(bytes=h.reservation)), reason)
+        if self.trace is not None:
+            self.dropped(h, reason)
         return nack_frame(h.reservation, h.epoch, reason, detail)
+
+    def dropped(self, h: FrameHeader | None, reason: Reason) -> None:
+        """Trace a refused frame (`h` None: its header could not be decoded)."""
+        if self.trace is not None:
+            lease = str(uuid.UUID(bytes=h.reservation)) if h is not None else ""
+            self.trace("drop", {"lease": lease, "epoch": h.epoch if h is not None else 0,
+                                "reason": reason.name})
+
+    def _landed(self, slot: Slot, index: int) -> None:
+        if index in slot.unlanded and self.trace is not None:
+            slot.unlanded.discard(index)
+            self.trace("land", {"lease": slot.target.reservation_id,
+                                "epoch": slot.target.epoch, "index": index})
 
     async def fence(self, reservation_id: str) -> None:
         """Fail the live slot (FENCED) and return only once no write into its pages can
@@ -337,12 +387,23 @@ class ReceiveTable:
             slot = self._draining.get(key) or self._quarantined.get(key)  # guard: fence-inflight
             if slot is None:
                 self._remember(key, Reason.FENCED)
+                if self.trace is not None:
+                    self.trace("fence", {"lease": reservation_id, "ok": True})
                 return
-        await slot.finalized.wait()
+        try:
+            await slot.finalized.wait()
+        except BaseException:  # cancelled while a write was in flight
+            if self.trace is not None:
+                self.trace("fence", {"lease": reservation_id, "ok": False})
+            raise
         if slot.quarantined:
+            if self.trace is not None:
+                self.trace("fence", {"lease": reservation_id, "ok": False})
             raise TransferError(reservation_id, Reason.QUARANTINED,
                                 "a write into these pages may still land: never lease them "
                                 "again", tuple(slot.target.page_ids))
+        if self.trace is not None:
+            self.trace("fence", {"lease": reservation_id, "ok": True})
 
     def conn_lost(self, conn_id: int, reason: Reason, detail: str) -> None:
         for slot in [s for s in self._slots.values() if s.conn_id == conn_id]:

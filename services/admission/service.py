@@ -58,6 +58,7 @@ class AdmissionService:
         # be told to skip the checks (services/faults.py); production uses LivePolicy.
         self.policy = policy or LivePolicy()
         self.rt = ServiceRuntime(cfg)
+        self.trace = self.rt.trace  # the protocol trace (None: off)
         self.registry = CapacityRegistry(cfg.worker_ttl_s)
         self.signer = tickets.Signer(cfg.signing_key)  # only admission holds it
         # Waiting submits wake on a heartbeat or when the fair line moves.
@@ -246,6 +247,9 @@ class AdmissionService:
                         decision = self._place_choices(req, decision, prefills, decodes,
                                                        headers)
                     if isinstance(decision, list):
+                        if self.trace is not None:
+                            self.trace.emit("decide", req=req.request_id, verdict="admit",
+                                            reason="", attempt=attempts)
                         reply = await self._admit(req, decision, headers, attempts)
                         attempts += 1
                         if isinstance(reply, m.Admitted):
@@ -295,6 +299,9 @@ class AdmissionService:
         return self._over_share(waiter.item) is None
 
     def _reject(self, req: m.SubmitRequest, rej: Rejected) -> m.Rejected:
+        if self.trace is not None:
+            self.trace.emit("decide", req=req.request_id, verdict="reject",
+                            reason=rej.reason.label, detail=rej.message)
         self.decisions.labels("rejected").inc()
         self.rejections.labels(rej.reason.label).inc()
         log.info("rejected %s (%s): %s", req.request_id, rej.reason.name, rej.message)
@@ -392,6 +399,9 @@ class AdmissionService:
             await self.rt.publish(m.reserve_subject(decode.worker_id), m.ReserveCancel(
                 request_id=choice.request_id, nonce=ticket.nonce,  # guard: reserve-cancel
                 outcome=m.Outcome(code=m.Code.RESERVE_FAILED, detail=str(exc))))
+            if self.trace is not None:  # no reply: the reservation id is not known here
+                self.trace.emit("cancel", req=choice.request_id, lease="",
+                                worker=decode.worker_id)
             return Retry(str(exc), decode.worker_id)
         if isinstance(res, m.ReserveRefused):
             self.reservations.labels("refused").inc()
@@ -402,6 +412,10 @@ class AdmissionService:
                                 f"decode worker {decode.worker_id} refuses: {detail}")
             return Retry(detail or "refused", decode.worker_id)
         self.reservations.labels("ok").inc()
+        if self.trace is not None:
+            self.trace.emit("reserve", req=choice.request_id,
+                            lease=res.reservation.reservation_id, worker=decode.worker_id,
+                            epoch=res.reservation.epoch)
         self.registry.charge(m.Role.DECODE, decode.worker_id,
                              len(req.prompt_ids) + req.max_tokens, tenant=req.tenant)
         self.registry.charge(m.Role.PREFILL, prefill.worker_id, len(req.prompt_ids))
@@ -415,6 +429,10 @@ class AdmissionService:
                                   m.ReserveCancel(  # guard: group-cancel
                 request_id=h.choice.request_id, nonce=h.ticket.nonce,
                 outcome=m.Outcome(code=m.Code.RESERVE_FAILED, detail=why)))
+            if self.trace is not None:
+                self.trace.emit("cancel", req=h.choice.request_id,
+                                lease=h.reservation.reservation_id,
+                                worker=h.decision.decode.worker_id)
 
     async def _dispatch(self, req: m.SubmitRequest, h: _Held,
                         headers: Mapping[str, str]) -> Rejected | None:
@@ -436,9 +454,17 @@ class AdmissionService:
                                   m.ReserveCancel(
                 request_id=h.choice.request_id, nonce=h.ticket.nonce,  # guard: payload-cancel
                 outcome=m.Outcome(code=m.Code.INVALID, detail=str(exc))))
+            if self.trace is not None:
+                self.trace.emit("cancel", req=h.choice.request_id,
+                                lease=h.reservation.reservation_id,
+                                worker=h.decision.decode.worker_id)
             return Rejected(m.Code.INVALID, "the prompt's dispatch exceeds this mesh's NATS "
                             f"max_payload ({self.rt.nc.max_payload} bytes): {exc}")
         self.dispatches.inc()
+        if self.trace is not None:
+            self.trace.emit("dispatch", req=h.choice.request_id,
+                            lease=h.reservation.reservation_id,
+                            worker=h.decision.prefill.worker_id)
         return None
 
 

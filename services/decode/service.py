@@ -40,6 +40,7 @@ from pdmesh.services.protocol import streamauth
 from pdmesh.services.protocol.capacity import decode_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
+from pdmesh.services.runtime import ptrace
 from pdmesh.services.runtime.config import DecodeConfig
 from pdmesh.services.runtime.service import ServiceState, counter_total, settle
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
@@ -157,6 +158,9 @@ class DecodeService(WorkerBase):
                  reply_delay: Callable[[Mapping[str, str] | None], float] | None = None
                  ) -> None:
         super().__init__(cfg, transport)
+        self.trace = self.rt.trace  # the protocol trace (None: off)
+        if self.trace is not None:
+            ptrace.attach(self.trace, self.pool, self.transport)
         self.advertised_roles = advertised_roles
         # Seconds to wait before answering a reserve request (test meshes only:
         # services/faults.py `reserve_reply_delay`; production: None).
@@ -240,6 +244,10 @@ class DecodeService(WorkerBase):
         if self.reply_delay is not None:  # test meshes only (services/faults.py)
             await asyncio.sleep(self.reply_delay(msg.headers))
         await self.rt.respond(msg, reply)
+        if self.trace is not None and isinstance(reply, m.Reserved):
+            r = reply.reservation
+            self.trace.emit("reserve_in", req=reply.request_id, lease=r.reservation_id,
+                            epoch=r.epoch)
 
     async def _on_cancel(self, c: m.ReserveCancel) -> None:
         """Admission gave up on a reservation it asked for (no reply in time, or a dispatch
@@ -488,6 +496,9 @@ class DecodeService(WorkerBase):
         self.releases.labels(outcome.label).inc()
         self.requests.pop(dreq.request_id, None)
         if not dreq.quiet:
+            if self.trace is not None:  # the request's terminal event, after its release
+                self.trace.emit("tell", req=dreq.request_id, lease=dreq.reservation_id,
+                                kind=outcome.code.kind.name.lower(), code=outcome.label)
             await self.tell(dreq, event or m.StreamFailed(request_id=dreq.request_id,
                                                           outcome=outcome))
 

@@ -47,6 +47,7 @@ from pdmesh.services.protocol import streamauth, tickets
 from pdmesh.services.protocol.capacity import prefill_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
+from pdmesh.services.runtime import ptrace
 from pdmesh.services.runtime.config import PrefillConfig
 from pdmesh.services.runtime.service import counter_total
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
@@ -103,6 +104,15 @@ def release_pages(pool: KVPool, lease: Lease, pages: PagesReady, num_tokens: int
         pages.advance(num_tokens // pool.spec.page_tokens)
     else:
         pages.complete(first_token)
+
+
+def _has_stream_key(d: m.PrefillDispatch) -> bool:
+    """Whether `d` carries a stream key `_tell` can send under."""
+    try:
+        streamauth.parse_key(d.stream_key)
+    except ValueError:
+        return False
+    return True
 
 
 def sampler_for(sampling: m.Sampling, max_tokens: int, eos_token_ids: Iterable[int]) -> Sampler:
@@ -169,6 +179,9 @@ class PrefillService(WorkerBase):
     def __init__(self, cfg: PrefillConfig, transport: KVTransport | None = None,
                  intake: DispatchIntake = faults.accept_dispatch) -> None:
         super().__init__(cfg, transport)
+        self.trace = self.rt.trace  # the protocol trace (None: off)
+        if self.trace is not None:
+            ptrace.attach(self.trace, self.pool)
         self.intake = intake
         self.queue: PrefillQueue[PrefillJob] = PrefillQueue(cfg.prefill_max_active)
         self._work = asyncio.Event()
@@ -266,6 +279,8 @@ class PrefillService(WorkerBase):
         job = PrefillJob(d)
         self.queue.push(job)
         self.dispatches.labels("queued").inc()
+        if self.trace is not None:
+            self.trace.emit("job", req=rid, lease=d.reservation.reservation_id)
         await self._progress(job)  # decode and the gateway: it is held here
         self._work.set()
 
@@ -300,6 +315,8 @@ class PrefillService(WorkerBase):
             await self._tell(d, m.release_subject(d.ticket.decode_worker), m.Release(
                 request_id=rid, reservation_id=d.reservation.reservation_id,
                 outcome=outcome))  # guard: release-on-reject
+            if self.trace is not None and _has_stream_key(d):  # (else _tell sent nothing)
+                self.trace.emit("release_sent", req=rid, lease=d.reservation.reservation_id)
             await self._tell(d, m.tokens_subject(rid),
                              m.StreamFailed(request_id=rid, outcome=outcome))
         except (nats.errors.Error, OSError) as exc:
@@ -512,6 +529,9 @@ class PrefillService(WorkerBase):
             ack = await self.transport.send(d.reservation.data_address, plan, buffers,
                                             ready=job.pages)
             acked_at = time.monotonic()
+            if self.trace is not None:  # the commit went out (and decode acked it)
+                self.trace.emit("commit_sent", req=job.request_id, lease=plan.reservation_id,
+                                epoch=plan.epoch)
             self.kv_bytes.labels("out").inc(ack.bytes)
             self.transfers.labels("ok").inc()
             busy = max(acked_at - sent_at - job.pages.waited_s, 0.0)

@@ -51,6 +51,7 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
 from pdmesh.services.protocol.errors import StartupError
 from pdmesh.services.runtime.config import ServiceConfig
+from pdmesh.services.runtime.ptrace import ProtocolTrace
 
 log = logging.getLogger("pdmesh.runtime")
 DRAIN_TIMEOUT_S = 3.0  # flushing NATS on shutdown; a dead server must not hold us longer
@@ -109,6 +110,15 @@ class ServiceRuntime:
         self.role = cfg.role
         self.worker_id = cfg.worker_id
         self.state = ServiceState.STARTING
+        # The protocol trace (ptrace.py): None unless --protocol-trace-dir is set.
+        trace_dir = getattr(cfg, "protocol_trace_dir", "")
+        try:
+            self.trace = ProtocolTrace.open(trace_dir, cfg.role)
+        except OSError as exc:
+            raise StartupError(cfg.role, f"protocol trace directory {trace_dir}",
+                               exc.strerror or str(exc)) from None
+        if self.trace is not None:
+            self.trace.emit("start", role=cfg.role, worker=cfg.worker_id)
         self.registry = registry or CollectorRegistry()
         self.nc: NATS = NATS()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -556,6 +566,9 @@ class ServiceRuntime:
         if self._restore_loop_handler is not None:
             self._restore_loop_handler()
         self._set_state(ServiceState.CLOSED)
+        if self.trace is not None:  # the last line of a clean stop
+            self.trace.emit("stop", role=self.role, why=why)
+            self.trace.close()
         self._closed.set()
 
     def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:

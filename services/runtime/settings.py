@@ -313,6 +313,9 @@ SETTINGS: tuple[Setting, ...] = (
             ROLES),
     Setting("log_level", "--log-level", "PDMESH_LOG_LEVEL", str, "INFO", "Logging level.",
             ROLES, up=True),
+    Setting("protocol_trace_dir", "--protocol-trace-dir", "PDMESH_PROTOCOL_TRACE_DIR", str,
+            "", "Directory where every service appends its protocol actions as JSON lines "
+            "(one file per process), for tests/model/tracecheck.py; off when empty.", ROLES),
     # Process-level: read from the environment, not carried by a config.
     Setting("allow_faults", None, "PDMESH_ALLOW_FAULTS", bool, False,
             "`1` lets a service accept --faults (test meshes only; an env var and no flag, so "
