@@ -21,7 +21,8 @@ evict when free pages run short. free + leased + cached == total, checked by
 
 Observer: `observer`, when set (the owning service's protocol trace, off by default), is
 called with `(event, fields)` after each lease, free, quarantine, cache, evict, written and
-read; every event names the pool (`pool`). The decode step's batched calls report nothing.
+read; every event names the pool (`pool`). A decode step's batched calls report only each
+lease's first step (a read of its prompt), never the tokens they append.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class KVPool:
         self.reclaimer: Callable[[int], int] | None = None
         # The protocol trace's callback (module docstring); None: nothing is reported.
         self.observer: Callable[[str, dict], None] | None = None
+        self._reads_reported: set[str] = set()  # leases whose first decode step was reported
         self._prefix_written: dict[str, int] = {}
         self._next_epoch = 1
         self.stats = PoolStats()
@@ -216,7 +218,8 @@ class KVPool:
             self.observer("lease", {"pool": self.pool_id, "lease": lease.lease_id,
                                     "req": request_id, "epoch": epoch,
                                     "pages": list(page_ids), "shared": shared,
-                                    "tokens": num_tokens})
+                                    "tokens": num_tokens,
+                                    "page_tokens": self.spec.page_tokens})
         return lease
 
     def release(self, lease: Lease, cause: str) -> None:
@@ -241,6 +244,7 @@ class KVPool:
         self._free_pages(owned)
         self.stats.releases += 1
         if self.observer is not None:
+            self._reads_reported.discard(lease.lease_id)
             self.observer("free", {"pool": self.pool_id, "lease": lease.lease_id,
                                    "epoch": lease.epoch, "pages": owned, "cause": cause})
 
@@ -270,6 +274,7 @@ class KVPool:
             self._quarantined.add(page_id)
         self.stats.releases += 1
         if self.observer is not None:
+            self._reads_reported.discard(lease.lease_id)
             self.observer("quarantine", {"pool": self.pool_id, "lease": lease.lease_id,
                                          "epoch": lease.epoch, "pages": owned, "cause": cause})
 
@@ -493,6 +498,11 @@ class KVPool:
             # Every lease's own checks passed where the batched compare failed: the pool
             # changed underneath. Refuse rather than guess.
             raise self._deny(leases[0], None, "decode batch epoch check failed")
+        if self.observer is not None:  # a lease's first decode step reads its prompt
+            for lease, position in zip(leases, positions, strict=True):
+                if lease.lease_id not in self._reads_reported:
+                    self._reads_reported.add(lease.lease_id)
+                    self._observe_read(lease, position)
 
     def mark_decode_batch(self, leases: Sequence[Lease], positions: Sequence[int]) -> None:
         """After a decode step: each lease wrote one token at `position`. The same as

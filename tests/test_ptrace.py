@@ -38,7 +38,8 @@ def test_pool_observer_reports_each_action_with_its_fields() -> None:
     owner = pool.allocate("r1", 2 * PAGE)
     assert seen == [("lease", {"pool": pid, "lease": owner.lease_id, "req": "r1",
                                "epoch": owner.epoch, "pages": list(owner.page_ids),
-                               "shared": [], "tokens": 2 * PAGE})]
+                               "shared": [], "tokens": 2 * PAGE,
+                               "page_tokens": PAGE})]
     pool.mark_written_range(owner, 0, PAGE + 1)  # one event per page touched
     assert seen[1:] == [
         ("written", {"pool": pid, "lease": owner.lease_id, "epoch": owner.epoch,
@@ -71,14 +72,16 @@ def test_pool_observer_reports_each_action_with_its_fields() -> None:
     json.dumps(seen)  # every field is plain JSON
 
 
-def test_decode_steps_report_nothing() -> None:
+def test_decode_steps_report_only_the_first_read() -> None:
     pool, seen = _pool()
     lease = pool.allocate("r", 2 * PAGE)
     pool.mark_written(lease, 0, PAGE - 1)
     seen.clear()
     for position in range(PAGE - 1, PAGE + 1):  # the page's last token: the slow path
+        pool.check_decode_batch([lease], [position])
         pool.mark_decode_batch([lease], [position])
-    assert seen == []
+    assert seen == [("read", {"pool": pool.pool_id, "lease": lease.lease_id,
+                              "epoch": lease.epoch, "tokens": PAGE - 1})]
 
 
 def test_trace_writes_one_json_object_per_line(tmp_path: Path) -> None:

@@ -48,6 +48,8 @@ def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
         yield lab
     finally:
         lab.stop()
+    # The run's protocol trace, every process of every host, against the model's rules.
+    assert not lab.trace_violations, "\n".join(str(v) for v in lab.trace_violations[:20])
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ from typing import Any
 from pdmesh.services.ops import certs, natsauth
 from pdmesh.services.ops.launcher import nats_server_binary
 from pdmesh.services.protocol import messages as m
+from tests.model import tracecheck
 from tests.support import meshstats
 from tests.support.meshproc import http_json
 from tests.support.netns import Host, NetnsThreads, Switch, command_in
@@ -152,6 +153,7 @@ class Lab:
     secrets_dir: Path = field(init=False)  # `pdmesh secrets --hosts` output, in workdir
     _ssl_cert_file: str | None = field(default=None, init=False)
     _ca_env_set: bool = field(default=False, init=False)
+    trace_violations: list[tracecheck.Violation] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.switch = Switch(prefix=f"pdmh{os.getpid()}{self.transport[0]}")
@@ -260,6 +262,8 @@ class Lab:
         })
         env.update(self.nats_creds(role))  # the role's env files (compose: env_file)
         env.update(self.role_keys(role))
+        if hasattr(self, "workdir"):  # every process's protocol trace, checked by stop()
+            env["PDMESH_PROTOCOL_TRACE_DIR"] = str(self.trace_dir)
         if role in ("prefill", "decode"):
             env["PDMESH_DATA_HOST"] = "0.0.0.0"
             env["PDMESH_ADVERTISE_HOST"] = self.addr(host)
@@ -346,9 +350,18 @@ class Lab:
         assert lines and "Traceback" not in done.stderr, done.stdout + done.stderr
         return done.returncode, json.loads(lines[-1])
 
+    @property
+    def trace_dir(self) -> Path:
+        return self.workdir / "trace"
+
     def stop(self) -> None:
+        """Stop everything and remove the lab; the services' protocol trace is checked
+        against the model first (tests/model/tracecheck.py), its violations left in
+        `trace_violations` for the fixture to fail on."""
         for proc in reversed(list(self.services.values())):
             proc.stop()
+        if hasattr(self, "workdir") and self.trace_dir.is_dir():
+            self.trace_violations = tracecheck.check_dir(self.trace_dir)
         for proc in self.nats.values():
             proc.stop(5)
         with contextlib.suppress(AttributeError):

@@ -7,9 +7,11 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from pdmesh.services.ops.launcher import free_port, nats_server_binary
 from pdmesh.services.protocol import tickets
+from tests.model import tracecheck
 
 REPO = Path(__file__).resolve().parents[2]
 DEV_KEYS = {"alice": "sk-dev-alice", "bob": "sk-dev-bob", "carol": "sk-dev-carol"}
@@ -145,11 +148,19 @@ def mesh_env(**overrides: str) -> dict[str, str]:
 @contextlib.contextmanager
 def run_mesh(*args: str, env: dict[str, str] | None = None,
              ready_timeout: float = 120) -> Iterator[Mesh]:
-    """Run `pdmesh up <args>` (tiny model) and yield once the gateway is ready."""
+    """Run `pdmesh up <args>` (tiny model) and yield once the gateway is ready.
+
+    Every mesh writes its protocol trace (a fresh directory, unless `env` names one) and,
+    when the test body passed, the trace is checked against the model's transition rules
+    at teardown (tests/model/tracecheck.py): a step the model does not allow fails the
+    test, and the directory is kept for reading."""
     port = free_port()
     cmd = [sys.executable, "-m", "pdmesh.services.ops.cli", "up", "--model", "tiny",
            "--gateway-port", str(port), *args]
     env = dict(env or mesh_env())
+    trace_dir = env.get("PDMESH_PROTOCOL_TRACE_DIR") or tempfile.mkdtemp(prefix="pdmesh-trace-")
+    own_trace = "PDMESH_PROTOCOL_TRACE_DIR" not in env
+    env["PDMESH_PROTOCOL_TRACE_DIR"] = trace_dir
     env.setdefault("PDMESH_SIGNING_KEY", tickets.generate_signing_key())
     env.setdefault("PDMESH_SALT_KEY", secrets.token_hex(32))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -183,11 +194,13 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError("pdmesh up failed to start:\n" + "\n".join(mesh.log[-60:]))
+    passed = False
     try:
         status, models = mesh.http("GET", "/v1/models")
         if status == 200 and models.get("data"):
             mesh.max_context = int(models["data"][0].get("max_model_len") or 0)
         yield mesh
+        passed = True
     finally:
         try:
             mesh.stop()
@@ -197,3 +210,17 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
         reader.join(5)
         if proc.stdout is not None:
             proc.stdout.close()
+    if passed:
+        check_trace(Path(trace_dir), remove=own_trace)
+
+
+def check_trace(trace_dir: Path, remove: bool = False) -> None:
+    """Fail on any step of the protocol trace in `trace_dir` that the model does not allow
+    (tests/model/tracecheck.py); with `remove`, delete a trace that passed."""
+    violations = tracecheck.check_dir(trace_dir)
+    if violations:
+        shown = "\n".join(str(v) for v in violations[:20])
+        raise AssertionError(f"protocol trace {trace_dir}: {len(violations)} steps the model "
+                             f"does not allow:\n{shown}")
+    if remove:
+        shutil.rmtree(trace_dir, ignore_errors=True)
