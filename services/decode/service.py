@@ -481,7 +481,7 @@ class DecodeService(WorkerBase):
         # Fence before the pages can be leased again: after this no late frame for this
         # reservation can land in them (the next lease of the same pages is safe).
         try:
-            await self.transport.fence(dreq.reservation_id)
+            await self.transport.fence(dreq.reservation_id)  # guard: decode-fences
             quarantine = ""
         except TransferError as exc:  # a write may still land: never lease these pages again
             quarantine = str(exc)
