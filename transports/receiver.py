@@ -192,7 +192,9 @@ class ReceiveTable:
         slot.next_index += 1
         if self.trace is not None:
             slot.unlanded.add(h.page_index)
-            self.trace("accept", {"lease": t.reservation_id, "epoch": t.epoch,
+            # the frame's own epoch (the check above made it the slot's): a trace checker
+            # then sees a frame of another epoch accepted, were that check ever lost
+            self.trace("accept", {"lease": t.reservation_id, "epoch": h.epoch,
                                   "index": h.page_index})
         return slot, None
 

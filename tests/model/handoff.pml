@@ -123,6 +123,14 @@ chan data[NLINKS] = [2] of { mtype, byte, byte, byte, bool };
 chan atk = [1] of { mtype, byte, byte, byte, bool };
 chan writes = [2] of { byte, byte, byte, byte, byte };  /* r, slot epoch, page, index, bytes */
 
+/* ---------------------------------------------------------------- the protocol trace */
+/* A simulation (spin -T) prints, on lines starting "T ", the protocol trace the code writes
+   (services/runtime/ptrace.py), with ' for ": verify.py feeds random runs and each variant's
+   counterexample to tests/model/tracecheck.py. A lease is named by its epoch (L<epoch>), a
+   request attempt R<r>a<attempt>; a page holds 16 tokens. */
+#define T_PAGES(r) if :: need[r] == 1 -> printf(",'pages':[%d]", pg[r * 2]) \
+                      :: else -> printf(",'pages':[%d,%d]", pg[r * 2], pg[r * 2 + 1]) fi
+
 /* ---------------------------------------------------------------- the invariants */
 /* I1: a rejected request never holds a reservation or reaches a worker */
 #define I1(r)  (!rejected[r] || (epoch[r] == 0 && !dispatched[r]))
@@ -142,7 +150,11 @@ end:
   /* I6 where the system comes to rest: no lease is left. Every run of this model is finite
      (each loop consumes a message or ends a lease, and decode's liveness check can end any
      uncommitted one), so this is the liveness property below checked as safety. */
-  :: timeout -> assert(leased == 0)
+  :: timeout ->
+     printf("T {'p':'decode:1','ev':'stop'}\n");
+     printf("T {'p':'admission:2','ev':'stop'}\n");
+     assert(leased == 0);
+     break
   od
 }
 
@@ -189,12 +201,14 @@ again:
     if
     :: need[r] > CTX ->                            /* decide() */
        rejected[r] = true;
+       printf("T {'p':'admission:2','ev':'decide','req':'R%da%d','verdict':'reject'}\n", r, att);
 #ifdef INCIDENT
        n = 1;                                      /* "rejected", yet passed on as a stub */
        goto reserve;
 #endif
        goto done
-    :: else
+    :: else ->
+       printf("T {'p':'admission:2','ev':'decide','req':'R%da%d','verdict':'admit'}\n", r, att)
     fi
   };
 reserve:
@@ -208,6 +222,7 @@ reserve:
      :: else -> skip                               /* a late reply to a reserve that timed out */
      fi
   :: !PLAIN(r) -> ep = 0;                          /* the reserve call timed out */
+     printf("T {'p':'admission:2','ev':'cancel','req':'R%da%d','lease':''}\n", r, att);
      if :: to_dec!CANCEL, r, att :: skip fi;
      break
   od;
@@ -216,7 +231,11 @@ reserve:
   :: else
   fi;
   /* the dispatch (a lost one is a prefill that dies before its first frame) */
-  atomic { dispatched[r] = true; run Prefill(r, att, ep, n) };
+  atomic {
+    printf("T {'p':'admission:2','ev':'reserve','req':'R%da%d','lease':'L%d'}\n", r, att, ep);
+    printf("T {'p':'admission:2','ev':'dispatch','req':'R%da%d','lease':'L%d'}\n", r, att, ep);
+    dispatched[r] = true; run Prefill(r, att, ep, n)
+  };
   do
   :: to_gw[r]?ev, ra ->
      if
@@ -264,9 +283,12 @@ inline frame(kind, r, ep, idx, key) {
 #ifndef NO_EPOCH_CHECK
         :: live[r] && ep != epoch[r] ->             /* stale epoch: fails its own request */
            live[r] = false;
+           printf("T {'p':'decode:1','ev':'fail','lease':'L%d','epoch':%d}\n", epoch[r], epoch[r]);
            rfailed!r, epoch[r]
 #endif
         :: else ->                                  /* the write into the page begins */
+           printf("T {'p':'decode:1','ev':'accept','lease':'L%d','epoch':%d,'index':%d}\n",
+                  epoch[r], ep, idx);
            inflight[r]++;
            if
            :: key -> writes!r, epoch[r], pg[r * 2 + idx], idx, ep
@@ -277,10 +299,13 @@ inline frame(kind, r, ep, idx, key) {
   :: kind == COMMIT ->
      if
      :: live[r] && ep == epoch[r] && COVERED(r, idx) -> live[r] = false;
-           committed!r, ep
+        printf("T {'p':'decode:1','ev':'commit','lease':'L%d','epoch':%d,'ok':1}\n", ep, ep);
+        committed!r, ep
      :: else ->
         if
-        :: live[r] && ep == epoch[r] -> live[r] = false; rfailed!r, ep
+        :: live[r] && ep == epoch[r] -> live[r] = false;
+           printf("T {'p':'decode:1','ev':'commit','lease':'L%d','epoch':%d,'ok':0}\n", ep, ep);
+           rfailed!r, ep
         :: else -> skip
         fi
      fi
@@ -304,6 +329,7 @@ end:
         (a quarantined page may still take it: it is never leased again) */
      assert(owner[p] == QUAR || owner[p] == ep);
      content[p] = kind;
+     printf("T {'p':'decode:1','ev':'land','lease':'L%d','epoch':%d,'index':%d}\n", ep, ep, idx);
      if :: epoch[r] == ep -> landed[r] = landed[r] | (1 << idx) :: else fi;
      inflight[r]--;
      kind = 0; r = 0; ep = 0; idx = 0; p = 0 }
@@ -333,7 +359,11 @@ inline allocate(r, ok) {
         od;
         leased = leased + need[r];
         epoch[r] = next_epoch;
-        next_epoch++
+        next_epoch++;
+        printf("T {'p':'decode:1','ev':'lease','pool':'P','lease':'L%d','req':'R%da%d','epoch':%d",
+               epoch[r], r, att, epoch[r]);
+        T_PAGES(r);
+        printf(",'shared':[],'tokens':%d,'page_tokens':16}\n", 16 * need[r])
      :: else
      fi;
      k = 0; p = 0
@@ -353,7 +383,13 @@ inline free_pages(r, e, to) {
   :: else -> break
   od;
   k = 0;
-  leased = leased - need[r]
+  leased = leased - need[r];
+  if
+  :: to == QUAR -> printf("T {'p':'decode:1','ev':'quarantine','pool':'P','lease':'L%d','epoch':%d", e, e)
+  :: else -> printf("T {'p':'decode:1','ev':'free','pool':'P','lease':'L%d','epoch':%d", e, e)
+  fi;
+  T_PAGES(r);
+  printf("}\n")
 }
 
 /* fence, then free or quarantine, then tell: every terminal path of decode */
@@ -373,9 +409,12 @@ inline conclude(r, ev) {
      :: quar = true                                 /* its end cannot be established */
      fi
   fi;
+  printf("T {'p':'decode:1','ev':'fence','lease':'L%d','ok':%d}\n", e, !quar);
 #ifdef TELL_FIRST
   if
-  :: ev != 0 -> if :: to_gw[r]!ev, att_of[r] :: goto leak fi   /* a failed publish raises */
+  :: ev != 0 ->
+     printf("T {'p':'decode:1','ev':'tell','req':'R%da%d','lease':'L%d'}\n", r, att_of[r], e);
+     if :: to_gw[r]!ev, att_of[r] :: goto leak fi   /* a failed publish raises */
   :: else
   fi;
 #endif
@@ -385,7 +424,12 @@ inline conclude(r, ev) {
   free_pages(r, e, FREE);
 #endif
 #ifndef TELL_FIRST
-  if :: ev != 0 -> TELL(r, ev, att_of[r]) :: else fi;
+  if
+  :: ev != 0 ->
+     printf("T {'p':'decode:1','ev':'tell','req':'R%da%d','lease':'L%d'}\n", r, att_of[r], e);
+     TELL(r, ev, att_of[r])
+  :: else
+  fi;
 #endif
 leak:
   epoch[r] = 0;
@@ -399,6 +443,16 @@ leak:
 }
 
 inline read_pages(r) {                              /* the first decode step's attention */
+  printf("T {'p':'decode:1','ev':'written','pool':'P','lease':'L%d','epoch':%d,'page':%d,'tokens':16}\n",
+         epoch[r], epoch[r], pg[r * 2]);
+  if
+  :: need[r] == 2 ->
+     printf("T {'p':'decode:1','ev':'written','pool':'P','lease':'L%d','epoch':%d,'page':%d,'tokens':16}\n",
+            epoch[r], epoch[r], pg[r * 2 + 1])
+  :: else
+  fi;
+  printf("T {'p':'decode:1','ev':'read','pool':'P','lease':'L%d','epoch':%d,'tokens':%d}\n",
+         epoch[r], epoch[r], 16 * need[r]);
   k = 0;
   do
   :: k < need[r] ->
@@ -436,13 +490,15 @@ end:
   :: atomic { to_dec?kind, r, att ->
      if
      :: kind == RESERVE ->
-        assert(!rejected[r]);                        /* I1, where a worker hears of it */
         if :: epoch[r] != 0 -> conclude(r, 0) :: else fi   /* an earlier reservation of r */
         allocate(r, ok);
+        assert(!rejected[r]);                        /* I1, where a worker hears of it */
         if
         :: ok ->
            att_of[r] = att; state[r] = S_RESERVED;
            live[r] = true; landed[r] = 0;
+           printf("T {'p':'decode:1','ev':'expect','lease':'L%d','epoch':%d,'pages':%d}\n",
+                  epoch[r], epoch[r], need[r]);
            REPLY(r, att, epoch[r])
         :: else -> REPLY(r, att, 0)                  /* saturated */
         fi

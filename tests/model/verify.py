@@ -1,9 +1,13 @@
 """Check the Promela model of the handoff (handoff.pml) with Spin: the full state space of
-each configuration, every property, and every variant with one guard removed.
+each configuration, every property, and every variant with one guard removed. Then tie the
+model to the code's trace checker (tracecheck.py): random simulations of the model print
+the protocol trace the code writes, and every one must pass the checker; each variant's
+counterexample, replayed, must fail it (where the guard's loss shows in a trace at all).
 
     python tests/model/verify.py            # what `make verify` runs
     python tests/model/verify.py --no-ltl   # skip the weak-fairness I6 run (the slowest)
     python tests/model/verify.py --only NO_FENCE_WAIT
+    python tests/model/verify.py --simulations 500   # random runs per configuration
 
 Prints one table (the unmutated model's runs, then each variant: LOAD-BEARING with its
 counterexample's length in steps, or NOT CAUGHT) and one JSON object on the last line.
@@ -24,6 +28,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.model import tracecheck
 
 MODEL = Path(__file__).with_name("handoff.pml")
 CONFIGS = {"tenants": [], "resume": ["-DCONF_RESUME"]}
@@ -68,6 +75,7 @@ class Run:
     finished: bool
     violation: str = ""
     trail_steps: int = 0
+    trace_rules: list[str] | None = None  # the replayed counterexample's trace violations
 
 
 def _spin_ok() -> None:
@@ -89,6 +97,31 @@ def _pan(workdir: Path, defines: list[str], cflags: list[str], memlim_mb: int) -
 def _int(pattern: str, text: str) -> int:
     m = re.search(pattern, text)
     return int(float(m.group(1))) if m else 0
+
+
+def model_trace(spin_output: str) -> dict[str, list[dict]]:
+    """The protocol trace a simulation printed ("T " lines, ' for "), by process."""
+    files: dict[str, list[dict]] = {}
+    for raw in spin_output.splitlines():
+        if raw.startswith("T "):
+            event = json.loads(raw[2:].replace("'", '"'))
+            lines = files.setdefault(event["p"], [])
+            event["_line"] = len(lines) + 1
+            lines.append(event)
+    return files
+
+
+def simulate(config: str, seed: int) -> tuple[list[tracecheck.Violation], bool, int]:
+    """One random run of the unmutated model: the checker's violations of its trace,
+    whether it came to rest, and its number of trace lines."""
+    with tempfile.TemporaryDirectory(prefix="pdmesh-sim-") as tmp:
+        shutil.copy(MODEL, Path(tmp) / MODEL.name)
+        out = subprocess.run(["spin", "-T", f"-n{seed}", "-u100000", *CONFIGS[config],
+                              MODEL.name], cwd=tmp, capture_output=True, text=True,
+                             timeout=120).stdout
+    files = model_trace(out)
+    rested = any(e["ev"] == "stop" for events in files.values() for e in events)
+    return tracecheck.check(files), rested, sum(map(len, files.values()))
 
 
 def run_one(name: str, config: str, defines: list[str], ltl: bool, timeout_s: float,
@@ -116,11 +149,16 @@ def run_one(name: str, config: str, defines: list[str], ltl: bool, timeout_s: fl
         elif "acceptance cycle" in out:
             violation = "acceptance cycle (I6 violated)"
         steps = 0
+        trace_rules = None
         trail = workdir / (MODEL.name + ".trail")
         if errors and trail.exists():
             steps = sum(1 for line in trail.read_text().splitlines()
                         if line and not line.startswith("-"))
-        return Run(name=name, config=config, errors=errors,
+            replay = subprocess.run(["spin", "-T", "-t", *defines, *CONFIGS[config],
+                                     MODEL.name], cwd=workdir, capture_output=True,
+                                    text=True, timeout=120).stdout
+            trace_rules = sorted({v.rule for v in tracecheck.check(model_trace(replay))})
+        return Run(name=name, config=config, errors=errors, trace_rules=trace_rules,
                    states=_int(r"(\d+(?:\.\d+)?(?:e\+\d+)?) states, stored", out),
                    depth=_int(r"depth reached (\d+)", out), seconds=round(seconds, 1),
                    finished=finished, violation=violation, trail_steps=steps)
@@ -133,6 +171,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per search")
     ap.add_argument("--memlim-mb", type=int, default=4096, help="per search")
+    ap.add_argument("--simulations", type=int, default=200,
+                    help="random runs per configuration, each trace checked")
     ns = ap.parse_args()
     _spin_ok()
     todo: list[tuple[str, str, list[str], bool]] = []
@@ -146,6 +186,9 @@ def main() -> int:
         todo += [(v, c, [f"-D{v}"], False) for c in CONFIGS]
     with ThreadPoolExecutor(max_workers=ns.jobs) as pool:
         runs = list(pool.map(lambda t: run_one(*t, ns.timeout_s, ns.memlim_mb), todo))
+        sims = {c: list(pool.map(lambda seed, c=c: simulate(c, seed),
+                                 range(1, ns.simulations + 1)))
+                for c in CONFIGS} if not ns.only else {}
 
     ok = True
     print(f"{'run':28} {'config':8} {'result':14} {'states':>10} {'depth':>6} {'steps':>6} "
@@ -162,19 +205,37 @@ def main() -> int:
               f"{r.trail_steps or '':>6} {r.seconds:>6}  {r.violation}")
     verdicts = {}
     print()
-    print(f"{'variant':16} {'verdict':13} {'shortest':>8}  guard removed -> invariant it breaks")
+    print(f"{'variant':16} {'verdict':13} {'shortest':>8}  {'trace check':18} "
+          "guard removed -> invariant it breaks")
     for v in ns.only or VARIANTS:
         caught = [r for r in runs if r.name == v and r.errors]
         verdict = "LOAD-BEARING" if caught else "NOT CAUGHT"
         ok &= bool(caught)
         shortest = min((r.trail_steps for r in caught), default=0)
         broke = sorted({invariant_of(r.violation) for r in caught})
+        traced = sorted({rule for r in caught for rule in r.trace_rules or []})
         verdicts[v] = {"verdict": verdict, "steps": shortest,
-                       "configs": [r.config for r in caught], "broke": broke}
+                       "configs": [r.config for r in caught], "broke": broke,
+                       "trace_rules": traced}
         guard, inv = VARIANTS[v]
-        print(f"{v:16} {verdict:13} {shortest or '-':>8}  {guard} -> {inv}"
+        print(f"{v:16} {verdict:13} {shortest or '-':>8}  {','.join(traced) or 'not visible':18} "
+              f"{guard} -> {inv}"
               f"{'' if broke in ([inv], []) else ' (found: ' + ', '.join(broke) + ')'}")
-    print(json.dumps({"ok": ok, "runs": [asdict(r) for r in runs], "variants": verdicts}))
+    simulations = {}
+    for config, results in sims.items():
+        bad = [(seed, v) for seed, (vs, _, _) in enumerate(results, 1) for v in vs]
+        ok &= not bad
+        simulations[config] = {"runs": len(results), "violations": len(bad),
+                               "at_rest": sum(rested for _, rested, _ in results),
+                               "trace_lines": sum(n for _, _, n in results)}
+        print(f"random runs ({config}): {len(results)}, "
+              f"{simulations[config]['at_rest']} came to rest, "
+              f"{simulations[config]['trace_lines']} trace lines, {len(bad)} steps the trace "
+              "checker refused")
+        for seed, v in bad[:10]:
+            print(f"  seed {seed}: {v}")
+    print(json.dumps({"ok": ok, "runs": [asdict(r) for r in runs], "variants": verdicts,
+                      "simulations": simulations}))
     return 0 if ok else 1
 
 
