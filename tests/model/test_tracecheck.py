@@ -132,3 +132,34 @@ def test_files_are_read_back_and_a_cut_last_line_is_tolerated(tmp_path: Path) ->
     (v,) = tracecheck.check_dir(tmp_path)
     assert (v.rule, v.process, v.event) == ("TELL", "decode:7", "tell")
     assert tracecheck.main([str(tmp_path)]) == 1
+
+
+def test_the_models_trace_lines_read_as_the_codes() -> None:
+    """verify.py reads a Spin simulation's "T " lines into the checker's input: the model's
+    trace of one served request passes, and the same trace with the tell first fails."""
+    from tests.model import verify
+    served = [
+        "T {'p':'admission:2','ev':'decide','req':'R0a0','verdict':'admit'}",
+        "T {'p':'decode:1','ev':'lease','pool':'P','lease':'L1','req':'R0a0','epoch':1,"
+        "'pages':[0],'shared':[],'tokens':16,'page_tokens':16}",
+        "T {'p':'decode:1','ev':'expect','lease':'L1','epoch':1,'pages':1}",
+        "T {'p':'admission:2','ev':'reserve','req':'R0a0','lease':'L1'}",
+        "T {'p':'admission:2','ev':'dispatch','req':'R0a0','lease':'L1'}",
+        "T {'p':'decode:1','ev':'accept','lease':'L1','epoch':1,'index':0}",
+        "spin's own output in between",
+        "T {'p':'decode:1','ev':'land','lease':'L1','epoch':1,'index':0}",
+        "T {'p':'decode:1','ev':'commit','lease':'L1','epoch':1,'ok':1}",
+        "T {'p':'decode:1','ev':'written','pool':'P','lease':'L1','epoch':1,'page':0,"
+        "'tokens':16}",
+        "T {'p':'decode:1','ev':'read','pool':'P','lease':'L1','epoch':1,'tokens':16}",
+        "T {'p':'decode:1','ev':'fence','lease':'L1','ok':1}",
+        "T {'p':'decode:1','ev':'free','pool':'P','lease':'L1','epoch':1,'pages':[0]}",
+        "T {'p':'decode:1','ev':'tell','req':'R0a0','lease':'L1'}",
+        "T {'p':'decode:1','ev':'stop'}",
+    ]
+    files = verify.model_trace("\n".join(served))
+    assert sorted(files) == ["admission:2", "decode:1"]
+    assert [e["_line"] for e in files["decode:1"]] == list(range(1, 12))
+    assert tracecheck.check(files) == []
+    tell_first = served[:11] + [served[13], served[11], served[12], served[14]]
+    assert _rules(tracecheck.check(verify.model_trace("\n".join(tell_first)))) == {"TELL"}
