@@ -106,15 +106,6 @@ def release_pages(pool: KVPool, lease: Lease, pages: PagesReady, num_tokens: int
         pages.complete(first_token)
 
 
-def _has_stream_key(d: m.PrefillDispatch) -> bool:
-    """Whether `d` carries a stream key `_tell` can send under."""
-    try:
-        streamauth.parse_key(d.stream_key)
-    except ValueError:
-        return False
-    return True
-
-
 def sampler_for(sampling: m.Sampling, max_tokens: int, eos_token_ids: Iterable[int]) -> Sampler:
     return Sampler.for_request(sampling, max_tokens, eos_token_ids)
 
@@ -315,8 +306,6 @@ class PrefillService(WorkerBase):
             await self._tell(d, m.release_subject(d.ticket.decode_worker), m.Release(
                 request_id=rid, reservation_id=d.reservation.reservation_id,
                 outcome=outcome))  # guard: release-on-reject
-            if self.trace is not None and _has_stream_key(d):  # (else _tell sent nothing)
-                self.trace.emit("release_sent", req=rid, lease=d.reservation.reservation_id)
             await self._tell(d, m.tokens_subject(rid),
                              m.StreamFailed(request_id=rid, outcome=outcome))
         except (nats.errors.Error, OSError) as exc:
@@ -333,6 +322,8 @@ class PrefillService(WorkerBase):
                         type(msg).__name__)
             return
         await self.rt.publish_authenticated(subject, msg, key)
+        if self.trace is not None and isinstance(msg, m.Release):
+            self.trace.emit("release_sent", req=msg.request_id, lease=msg.reservation_id)
 
     async def hand_off(self) -> int:
         """Drain timeout: end every prompt still here (as an abort would: its chunk stops,

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.lab import Lab
+from tests.support.lab import SERVICES, Lab
 from tests.support.netns import probe
 
 ENABLED = os.environ.get("PDMESH_MULTIHOST") == "1"
@@ -49,6 +49,7 @@ def lab(request: pytest.FixtureRequest) -> Iterator[Lab]:
     finally:
         lab.stop()
     # The run's protocol trace, every process of every host, against the model's rules.
+    assert lab.trace_files >= len(SERVICES), f"only {lab.trace_files} processes traced"
     assert not lab.trace_violations, "\n".join(str(v) for v in lab.trace_violations[:20])
 
 

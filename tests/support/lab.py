@@ -154,6 +154,7 @@ class Lab:
     _ssl_cert_file: str | None = field(default=None, init=False)
     _ca_env_set: bool = field(default=False, init=False)
     trace_violations: list[tracecheck.Violation] = field(default_factory=list, init=False)
+    trace_files: int = field(default=0, init=False)  # processes whose trace was checked
 
     def __post_init__(self) -> None:
         self.switch = Switch(prefix=f"pdmh{os.getpid()}{self.transport[0]}")
@@ -362,6 +363,7 @@ class Lab:
             proc.stop()
         if hasattr(self, "workdir") and self.trace_dir.is_dir():
             self.trace_violations = tracecheck.check_dir(self.trace_dir)
+            self.trace_files = len(list(self.trace_dir.glob("*.jsonl")))
         for proc in self.nats.values():
             proc.stop(5)
         with contextlib.suppress(AttributeError):

@@ -217,6 +217,8 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
 def check_trace(trace_dir: Path, remove: bool = False) -> None:
     """Fail on any step of the protocol trace in `trace_dir` that the model does not allow
     (tests/model/tracecheck.py); with `remove`, delete a trace that passed."""
+    if not any(trace_dir.glob("*.jsonl")):
+        raise AssertionError(f"no protocol trace was written to {trace_dir}")
     violations = tracecheck.check_dir(trace_dir)
     if violations:
         shown = "\n".join(str(v) for v in violations[:20])
