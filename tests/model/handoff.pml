@@ -7,7 +7,7 @@
  *   spin -a handoff.pml && gcc -O2 -DSAFETY -DNOCLAIM -DCOLLAPSE -o pan pan.c && ./pan -m100000
  *   spin -DCONF_RESUME -a handoff.pml && ...                # the other configuration
  *   spin -DNO_FENCE_WAIT -a handoff.pml && ...              # a variant
- *   gcc -O2 -DCOLLAPSE -o pan pan.c && ./pan -a -f -N i6    # I6, under weak fairness
+ *   gcc -O2 -DCOLLAPSE -DNFAIR=4 -o pan pan.c && ./pan -a -f   # I6, under weak fairness
  *
  * Requests: r0 and r1 fit the served context, r2 does not (the incident's prompt). Decode's
  * pool has two pages, so pages are leased again. Two configurations, each explored in full
