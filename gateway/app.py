@@ -359,7 +359,9 @@ class Gateway:
             self.generating += 1
             try:
                 async with self.mesh.submit(req, headers) as subs:
-                    metrics.queue_time.labels(self.model_name).observe(time.monotonic() - t0)
+                    queued = subs[0].queued_s
+                    metrics.queue_time.labels(self.model_name).observe(
+                        queued if queued is not None else time.monotonic() - t0)
                     gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0,
                                      req)
                     try:

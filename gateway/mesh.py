@@ -193,6 +193,7 @@ class Submission:
     got_first_token: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (info event)
     admitted_at: float | None = None  # time.monotonic() of admission's answer
+    queued_s: float | None = None  # admission's arrival-to-dispatch time, where it says
     # The first token's logprobs: sampled on prefill, which sends them in FirstTokenLogprobs.
     first_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     progress: tuple[int, int] = (0, 0)  # prefill's last (done_tokens, total_tokens)
@@ -280,6 +281,7 @@ class MeshClient:
                     raise MeshUnavailable(f"admission placed no worker for choice "
                                           f"{state.request_id}")
                 state.admitted_at = now
+                state.queued_s = reply.queued_s
                 state.decode_worker = where.decode_worker
                 state.prefill_worker = where.prefill_worker
             yield list(held)

@@ -4,8 +4,9 @@ Every series carries `model_name` (the first served name), as vLLM's do, so a da
 or an autoscaler built for vLLM finds them by replacing `vllm:` with `pdmesh:`. The
 gateway sees every request from arrival to last token, so it measures them for the mesh:
 
-- queue time: submit to admission's answer (admission holds a request that fits while
-  every decode pool is busy, up to --queue-timeout-s);
+- queue time: the submit's arrival at admission to its dispatch, as admission measured it
+  (admission holds a request that fits while every decode pool is busy, up to
+  --queue-timeout-s); submit to admission's answer where admission does not say;
 - prefill time: admitted to the first token (prefill compute and the KV transfer);
 - decode time: first token to the last.
 
@@ -72,7 +73,8 @@ class GatewayMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency",
                         ["tenant", "outcome", "reason"])
         self.queue_time = hist("request_queue_time_seconds",
-                               "Submit to admission's answer (waiting for capacity)")
+                               "Submit's arrival at admission to its dispatch (waiting "
+                               "for capacity)")
         self.prefill_time = hist("request_prefill_time_seconds",
                                  "Admitted to first token (prefill and KV transfer)")
         self.decode_time = hist("request_decode_time_seconds", "First token to last token")

@@ -204,6 +204,7 @@ class AdmissionService:
         only the line's first eligible request may take capacity, and a request whose
         tenant holds its KV share is not eligible until the tenant's holdings fall."""
         loop = asyncio.get_running_loop()
+        arrived = time.monotonic()
         deadline = loop.time() + self.cfg.queue_timeout_s
         waiter = self.line.enter(req.tenant, float(_need_tokens(req)), req.weight, item=req)
         served = False
@@ -250,7 +251,7 @@ class AdmissionService:
                         if self.trace is not None:
                             self.trace.emit("decide", req=req.request_id, verdict="admit",
                                             reason="", attempt=attempts)
-                        reply = await self._admit(req, decision, headers, attempts)
+                        reply = await self._admit(req, decision, headers, attempts, arrived)
                         attempts += 1
                         if isinstance(reply, m.Admitted):
                             served = True
@@ -336,8 +337,8 @@ class AdmissionService:
         return placed
 
     async def _admit(self, req: m.SubmitRequest, placed: list[Admitted],
-                     headers: Mapping[str, str],
-                     attempt: int = 0) -> m.Admitted | Rejected | Retry:
+                     headers: Mapping[str, str], attempt: int = 0,
+                     arrived: float | None = None) -> m.Admitted | Rejected | Retry:
         """Reserve decode KV for every choice of the submit where `placed` says, then
         dispatch them all. Returns the admitted reply, a final rejection (a decode's own
         capacity gate refused), or `Retry` (a choice could not be reserved now). Whatever
@@ -350,12 +351,15 @@ class AdmissionService:
                 await self._cancel(held, "another choice of the submit was not reserved")
                 return got
             held.append(got)
+        queued_s = None
         for k, h in enumerate(held):
             refused = await self._dispatch(req, h, headers)
             if refused is not None:
                 # The choices dispatched before it end when the gateway aborts the request.
                 await self._cancel(held[k + 1:], refused.message)
                 return refused
+            if k == 0 and arrived is not None:
+                queued_s = time.monotonic() - arrived
         self.decisions.labels("admitted").inc()
         first, rest = held[0], held[1:]
         return m.Admitted(request_id=req.request_id,
@@ -364,7 +368,7 @@ class AdmissionService:
                           choices=[m.Placement(request_id=h.choice.request_id,
                                                decode_worker=h.decision.decode.worker_id,
                                                prefill_worker=h.decision.prefill.worker_id)
-                                   for h in rest])
+                                   for h in rest], queued_s=queued_s)
 
     async def _reserve(self, req: m.SubmitRequest, choice: m.SubmitChoice,
                        decision: Admitted, headers: Mapping[str, str],

@@ -244,6 +244,10 @@ class Admitted(msgspec.Struct, frozen=True, kw_only=True, tag="admitted"):
     decode_worker: str
     prefill_worker: str
     choices: list[Placement] = []  # the submit's other choices, in its order
+    # Admission's own time from the submit's arrival to its first dispatch: the queue part
+    # of the TTFT, ending where prefill's queue begins (the gateway's submit-to-answer
+    # time also holds the reply's way back, which overlaps prefill's work).
+    queued_s: float | None = None
 
 
 class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected"):
