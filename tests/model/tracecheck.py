@@ -103,7 +103,6 @@ class _Process:
         self.leases: dict[str, _Lease] = {}
         self.lease_pool: dict[str, str] = {}
         self.slots: dict[str, _Slot] = {}
-        self.told: list[tuple[int, str, str]] = []
         self.stopped = False
 
     def bad(self, rule: str, detail: str) -> None:
@@ -319,8 +318,8 @@ class _Process:
                 self.bad("I6", f"lease of {lease.req} never freed or quarantined")
 
 
-def _read(path: Path) -> tuple[list[dict], bool]:
-    """The lines of one file, and whether its process stopped cleanly."""
+def _read(path: Path) -> list[dict]:
+    """The lines of one file (a process that stopped cleanly ends with `stop`)."""
     events = []
     lines = path.read_text(encoding="utf-8").splitlines()
     for number, raw in enumerate(lines, 1):
@@ -332,7 +331,7 @@ def _read(path: Path) -> tuple[list[dict], bool]:
             raise ValueError(f"{path.name} line {number}: not JSON: {raw[:80]!r}") from None
         event["_line"] = number
         events.append(event)
-    return events, bool(events) and events[-1].get("ev") == "stop"
+    return events
 
 
 def check(files: dict[str, list[dict]]) -> list[Violation]:
@@ -389,7 +388,7 @@ def _check_admission(files: dict[str, list[dict]], out: list[Violation]) -> None
 def load(directory: Path) -> dict[str, list[dict]]:
     files = {}
     for path in sorted(Path(directory).glob("*.jsonl")):
-        events, _ = _read(path)
+        events = _read(path)
         if events:
             files[events[0].get("p", path.stem)] = events
     return files
@@ -399,10 +398,10 @@ def check_dir(directory: Path) -> list[Violation]:
     return check(load(directory))
 
 
-def summary(directory: Path) -> dict[str, int]:
-    """Event counts by kind over a trace directory (for a test's report)."""
+def summary(files: dict[str, list[dict]]) -> dict[str, int]:
+    """Event counts by kind over a loaded trace."""
     counts: dict[str, int] = defaultdict(int)
-    for events in load(directory).values():
+    for events in files.values():
         for e in events:
             counts[e.get("ev", "")] += 1
     return dict(counts)
@@ -412,10 +411,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__.splitlines()[0], "\nusage: tracecheck.py DIR", file=sys.stderr)
         return 2
-    violations = check_dir(Path(argv[0]))
+    files = load(Path(argv[0]))
+    violations = check(files)
     for v in violations:
         print(v)
-    counts = summary(Path(argv[0]))
+    counts = summary(files)
     print(json.dumps({"ok": not violations, "violations": len(violations),
                       "events": sum(counts.values()), "by_event": counts}))
     return 1 if violations else 0
