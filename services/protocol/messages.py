@@ -498,6 +498,10 @@ class StatsReply(msgspec.Struct, frozen=True, kw_only=True, tag="stats"):
     # Requests this worker has heard of (bounded, newest last): lets tests prove that a
     # rejected request reached no worker (I1).
     request_ids: list[str] = []
+    # Requests holding a live lease here now (a reservation or a stream in progress):
+    # tells tests which worker serves a request, where request_ids also names reserves
+    # that were refused or cancelled.
+    leased_requests: list[str] = []
     pid: int = 0
     cached_pages: int = 0  # prefix-cache pages (free + leased + cached == total)
 

@@ -265,12 +265,14 @@ class WorkerBase:
                          "transport_bytes_drained": ts.bytes_drained})
         for reason, n in ts.frames_rejected.items():
             counters[f"frames_rejected_{reason.name.lower()}"] = n
+        leases = self.pool.live_leases()
         return m.StatsReply(
             worker_id=self.cfg.worker_id, role=self.role, counters=counters,
             leased_pages=self.pool.num_leased_pages, free_pages=self.pool.num_free_pages,
-            total_pages=self.pool.num_pages, live_leases=len(self.pool.live_leases()),
+            total_pages=self.pool.num_pages, live_leases=len(leases),
             integrity_ok=not integrity_error, integrity_error=integrity_error,
-            request_ids=list(self.seen_requests), pid=os.getpid(),
+            request_ids=list(self.seen_requests),
+            leased_requests=[lease.request_id for lease in leases], pid=os.getpid(),
             cached_pages=self.pool.num_cached_pages)
 
 

@@ -121,9 +121,9 @@ def _holder(mesh: Mesh, procs: dict[str, subprocess.Popen], rid: str) -> str:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         for s in query_stats(mesh.nats_url, [(m.Role.DECODE, w) for w in procs]):
-            if rid in s.request_ids:
+            if rid in s.leased_requests:  # serving it, not only heard of it
                 return s.worker_id
-    raise AssertionError(f"none of {sorted(procs)} heard of {rid}")
+    raise AssertionError(f"none of {sorted(procs)} holds a lease for {rid}")
 
 
 def _drain_mid_stream(mesh: Mesh, procs: dict[str, subprocess.Popen], body: dict

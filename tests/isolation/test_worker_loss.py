@@ -71,9 +71,9 @@ def _holder(mesh: Mesh, workers: list[tuple[m.Role, str]], rid: str) -> m.StatsR
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         for s in query_stats(mesh.nats_url, workers):
-            if rid in s.request_ids:
+            if rid in s.leased_requests:  # serving it, not only heard of it
                 return s
-    raise AssertionError(f"no worker of {workers} heard of {rid}")
+    raise AssertionError(f"no worker of {workers} holds a lease for {rid}")
 
 
 def _serves_correctly(mesh: Mesh) -> None:

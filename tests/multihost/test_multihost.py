@@ -229,20 +229,19 @@ def test_decode_host_cut_off_mid_stream(mesh: Lab) -> None:
         prompt = f"cut stream {i}"
         # ignore_eos: long streams of a known length (no early EOS)
         stream = mesh.open_stream(prompt, STREAM_TOKENS, key=KEYS[i % 3], ignore_eos=True)
-        holder = mesh.holder(stream.request_id, DECODE_H3 + DECODE_H4)
-        streams[holder].append(stream)
+        stream.read_tokens(2)  # decode is generating: the lease is the serving worker's
+        streams[mesh.lease_holder(stream.request_id, DECODE_H3 + DECODE_H4)].append(stream)
         prompts[stream.request_id] = prompt
         if any(streams[w] for w in DECODE_H3) and any(streams[w] for w in DECODE_H4) and i >= 3:
             break
     on_h3 = [s for w in DECODE_H3 for s in streams[w]]
     on_h4 = [s for w in DECODE_H4 for s in streams[w]]
     assert on_h3 and on_h4, {w: len(s) for w, s in streams.items()}
-    for s in on_h3 + on_h4:
-        s.read_tokens(2)  # mid-stream: decode is generating
-    # Each decode worker still holds a lease per stream: none ran out before the cut.
-    held = {r.worker_id: r.live_leases for r in mesh.query(DECODE_H3 + DECODE_H4)}
-    short = {w: (held[w], len(streams[w])) for w in streams if held[w] < len(streams[w])}
-    assert not short, f"streams ended before the cut (STREAM_TOKENS too short here): {short}"
+    # Every stream is still generating where it was placed: none ran out before the cut.
+    leased = {r.worker_id: set(r.leased_requests) for r in mesh.query(DECODE_H3 + DECODE_H4)}
+    ended = {s.request_id: w for w in streams for s in streams[w]
+             if s.request_id not in leased[w]}
+    assert not ended, f"streams ended before the cut (STREAM_TOKENS too short here): {ended}"
 
     mesh.switch.cut("decode")
     cut_at = time.monotonic()

@@ -415,15 +415,17 @@ class Lab:
     def assert_pools_clean(self, timeout_s: float = 10) -> None:
         self.threads.run(meshstats.assert_pools_clean, self.nats_url, timeout_s)
 
-    def holder(self, request_id: str, worker_ids: list[str], timeout_s: float = 5) -> str:
-        """Which of `worker_ids` heard of `request_id`."""
+    def lease_holder(self, request_id: str, worker_ids: list[str],
+                     timeout_s: float = 5) -> str:
+        """Which of `worker_ids` holds a live lease for `request_id` (the worker serving it,
+        where a worker that refused or had its reserve cancelled has also heard of it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for s in self.query(worker_ids):
-                if request_id in s.request_ids:
+                if request_id in s.leased_requests:
                     return s.worker_id
             time.sleep(0.05)
-        raise AssertionError(f"none of {worker_ids} heard of {request_id}")
+        raise AssertionError(f"none of {worker_ids} holds a lease for {request_id}")
 
 
 def _request(url: str, method: str, body: object | None, key: str,
