@@ -50,10 +50,21 @@ from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
 from pdmesh.services.runtime.config import GatewayConfig
 from pdmesh.services.runtime.service import ServiceRuntime, ServiceState, run_service, settle
+from pdmesh.services.runtime.tracing import end, event
 
 log = logging.getLogger("pdmesh.gateway")
 
 CUT_GRACE_S = 2.0  # at the drain timeout: how long the cut replies get to write their error
+# X-Request-Id: a client's own id for its request, echoed on the reply (else the mesh's id is
+# sent there) and put on the request's trace and log lines; never the mesh's request id,
+# which only the gateway makes (a client's could collide with another tenant's).
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_CLIENT_REQUEST_ID = 256
+TRACED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # the API, not /health or /ready
+CLIENT_REQUEST_ID: Any = (web.RequestKey("pdmesh.client_request_id", str)
+                          if hasattr(web, "RequestKey") else "pdmesh.client_request_id")
+MESH_REQUEST_ID: Any = (web.RequestKey("pdmesh.request_id", str)
+                        if hasattr(web, "RequestKey") else "pdmesh.request_id")
 _REJECT_STATUS = {
     m.Code.CONTEXT_LENGTH_EXCEEDED: (400, "context_length_exceeded"),
     m.Code.PROMPT_EXCEEDS_PREFILL_POOL: (400, "context_length_exceeded"),
@@ -98,7 +109,11 @@ class Gateway:
 
     # -- wiring -------------------------------------------------------------------------
     def routes(self, app: web.Application) -> None:
+        app.middlewares.append(self._request_id_middleware)
+        if self.rt.tracing.enabled:  # no cost when off
+            app.middlewares.append(self._tracing_middleware)
         app.middlewares.append(self._errors_middleware)
+        app.on_response_prepare.append(_echo_request_id)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -142,6 +157,39 @@ class Gateway:
     def _workers_ready(self) -> bool:
         return bool(self.registry.views(m.Role.PREFILL)) and bool(
             self.registry.views(m.Role.DECODE))
+
+    @web.middleware
+    async def _request_id_middleware(self, request: web.Request,
+                                     handler: Any) -> web.StreamResponse:
+        given = request.headers.get(REQUEST_ID_HEADER)
+        if given is not None:
+            problem = client_request_id_problem(given)
+            if problem:
+                err = ApiError(400, f"{REQUEST_ID_HEADER} {problem}", param=REQUEST_ID_HEADER,
+                               code="invalid_request_id")
+                return json_response(err.body(), status=400)
+            request[CLIENT_REQUEST_ID] = given
+        return await handler(request)
+
+    @web.middleware
+    async def _tracing_middleware(self, request: web.Request,
+                                  handler: Any) -> web.StreamResponse:
+        """The request's server span, continuing a client's `traceparent`; admission's and
+        the workers' spans hang below it (the submit carries its context)."""
+        if not request.path.startswith(TRACED_PATHS):
+            return await handler(request)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else request.path
+        with self.rt.tracing.current(
+                f"{request.method} {route}", request.headers, kind="server",
+                **{"http.request.method": request.method, "url.path": request.path,
+                   "http.route": route,
+                   "pdmesh.client_request_id": request.get(CLIENT_REQUEST_ID)}) as span:
+            resp = await handler(request)
+            end(span, error=f"HTTP {resp.status}" if resp.status >= 500 else "",
+                **{"http.response.status_code": resp.status,
+                   "pdmesh.request_id": request.get(MESH_REQUEST_ID)})
+            return resp
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -320,6 +368,8 @@ class Gateway:
                         chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        request[MESH_REQUEST_ID] = rid
+        span = self.rt.tracing.active()  # the request's server span (None: tracing off)
         max_tokens = self.max_tokens_for(body, len(ids))
         # One seed per request, chosen here when the client gives none, so prefill (first
         # token) and decode (the rest) sample from the same stream; choice i uses seed + i.
@@ -395,6 +445,48 @@ class Gateway:
             (metrics.running if running else metrics.waiting).labels(self.model_name).dec()
             metrics.request_done(tenant.tenant_id, outcome, time.monotonic() - t0,
                                  admitted=gen is not None)
+            if span is not None:
+                _trace_reply(span, rid, tenant, len(ids), max_tokens, outcome, gen,
+                             self.model_name)
+
+
+def client_request_id_problem(value: str) -> str:
+    """What is wrong with a client's X-Request-Id ("" if nothing): 1 to 256 visible ASCII
+    characters, so that it can go on log lines and trace attributes as it is."""
+    if not 0 < len(value) <= MAX_CLIENT_REQUEST_ID:
+        return f"must be 1 to {MAX_CLIENT_REQUEST_ID} characters long"
+    if not all("!" <= ch <= "~" for ch in value):
+        return "must be visible ASCII characters (no spaces or control characters)"
+    return ""
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every reply names its request: the client's X-Request-Id, or the mesh's id."""
+    rid = request.get(CLIENT_REQUEST_ID) or request.get(MESH_REQUEST_ID)
+    if rid:
+        response.headers[REQUEST_ID_HEADER] = rid
+
+
+def _trace_reply(span: Any, rid: str, tenant: Tenant, prompt_len: int, max_tokens: int,
+                 outcome: m.Outcome, gen: Generation | None, model_name: str) -> None:
+    """The request's figures on its server span: ids, token counts, how it ended, and
+    when its first and last tokens went out."""
+    span.set_attributes({"pdmesh.request_id": rid, "pdmesh.tenant": tenant.tenant_id,
+                         "gen_ai.request.model": model_name,
+                         "gen_ai.request.max_tokens": max_tokens,
+                         "gen_ai.usage.input_tokens": prompt_len,
+                         "pdmesh.outcome": outcome.label})
+    if gen is None:
+        return
+    span.set_attribute("gen_ai.usage.output_tokens", gen.completion_tokens)
+    for c in gen.choices:
+        if c.first_at is not None:
+            event(span, "first_token", at=c.first_at, choice=c.index)
+        if c.last_at is not None:
+            event(span, "last_token", at=c.last_at, choice=c.index,
+                  tokens=c.completion_tokens, finish_reason=c.finish)
+        if c.resumes:
+            span.set_attribute(f"pdmesh.choice.{c.index}.resumes", c.resumes)
 
 
 def _seed_of(seed: int, index: int) -> int:

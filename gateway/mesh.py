@@ -239,7 +239,8 @@ class MeshClient:
                      headers: dict[str, str] | None = None) -> AsyncIterator[list[Submission]]:
         """Admit the request, every choice of it together, or raise MeshRejected /
         MeshUnavailable; yield one Submission (event queue) per choice, choice 0 first.
-        `headers` go on the NATS submit (only a test mesh's fault header uses them)."""
+        `headers` go on the NATS submit (a test mesh's fault header), with the current
+        span's `traceparent` when tracing is on."""
         # Checked before anything is sent or subscribed: nats-py raises MaxPayloadError
         # only after it registered the reply future (which then stays behind).
         size, limit = len(m.encode(req)) + SUBMIT_OVERHEAD_BYTES, self.rt.nc.max_payload
@@ -260,6 +261,8 @@ class MeshClient:
                 self._inflight[choice.request_id] = state
             if self.rt.trace is not None:
                 self.rt.trace.emit("submit", req=req.request_id)
+            if self.rt.tracing.enabled:  # admission continues the request's trace
+                headers = self.rt.tracing.headers(into=headers)
             try:
                 reply = await self.rt.request(m.SUBMIT_SUBJECT, req, m.SubmitReply,
                                               self.submit_timeout_s, headers=headers)

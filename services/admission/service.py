@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -47,6 +48,7 @@ from pdmesh.services.protocol import streamauth, tickets
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime.config import AdmissionConfig
 from pdmesh.services.runtime.service import ServiceRuntime, counter_total, run_service, settle
+from pdmesh.services.runtime.tracing import end
 
 log = logging.getLogger("pdmesh.admission")
 
@@ -131,11 +133,20 @@ class AdmissionService:
 
     # -- the decision -----------------------------------------------------------------
     async def _on_submit(self, req: m.SubmitRequest, msg: Msg) -> None:
-        with self._in_flight():
+        with self._in_flight(), self.rt.tracing.current(
+                "admission.request", msg.headers, kind="server",
+                **{"pdmesh.request_id": req.request_id, "pdmesh.tenant": req.tenant,
+                   "gen_ai.usage.input_tokens": len(req.prompt_ids),
+                   "gen_ai.request.max_tokens": req.max_tokens,
+                   "pdmesh.choices": 1 + len(req.choices),
+                   "pdmesh.resumes": req.resumes or None}) as span:
             t0 = time.perf_counter()
             reply = await self.handle(req, msg.headers or {})
             outcome = "admitted" if isinstance(reply, m.Admitted) else "rejected"
             self.decision_seconds.labels(outcome).observe(time.perf_counter() - t0)
+            if span is not None:
+                end(span, **{"pdmesh.verdict": outcome, "pdmesh.outcome": reply.outcome.label
+                             if isinstance(reply, m.Rejected) else None})
             await self.rt.respond(msg, reply)
 
     @property
@@ -212,6 +223,7 @@ class AdmissionService:
         tried: set[str] = set()
         beats = self._beats
         attempts = 0  # admission attempts made for this request
+        waited = False  # it waited for capacity since its arrival (or its last attempt)
         decision: Admitted | list[Admitted] | Rejected
         refusal = Rejected(m.Code.SATURATED, "no decode worker could reserve the KV pages")
         try:
@@ -251,6 +263,10 @@ class AdmissionService:
                         if self.trace is not None:
                             self.trace.emit("decide", req=req.request_id, verdict="admit",
                                             reason="", attempt=attempts)
+                        if waited:  # the time it stood in the fair line
+                            self.rt.tracing.record("admission.queue", self.rt.tracing.active(),
+                                                   arrived, time.monotonic())
+                            waited = False
                         reply = await self._admit(req, decision, headers, attempts, arrived)
                         attempts += 1
                         if isinstance(reply, m.Admitted):
@@ -268,11 +284,15 @@ class AdmissionService:
                     elif decision.reason is not m.Code.SATURATED:
                         return self._reject(req, _naming_avoided(decision, avoid))
                 if loop.time() >= deadline:
+                    if waited:
+                        self.rt.tracing.record("admission.queue", self.rt.tracing.active(),
+                                               arrived, time.monotonic())
                     return self._reject(req, decision)
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(),
                                            min(0.25, max(deadline - loop.time(), 0.01)))
+                waited = True
                 if self._beats != beats:
                     beats = self._beats
                     tried.clear()  # fresh heartbeats: every decode may be asked again
@@ -374,6 +394,19 @@ class AdmissionService:
                        decision: Admitted, headers: Mapping[str, str],
                        attempt: int) -> _Held | Rejected | Retry:
         """Sign one choice's ticket and reserve its KV on the decision's decode worker."""
+        span = self.rt.tracing.span(
+            "admission.reserve", kind="client",
+            **{"pdmesh.request_id": choice.request_id, "pdmesh.attempt": attempt,
+               "pdmesh.decode_worker": decision.decode.worker_id})
+        got = await self._reserve_on(req, choice, decision, headers, attempt, span)
+        if span is not None:
+            end(span, error="" if isinstance(got, _Held) else
+                got.message if isinstance(got, Rejected) else got.why)
+        return got
+
+    async def _reserve_on(self, req: m.SubmitRequest, choice: m.SubmitChoice,
+                          decision: Admitted, headers: Mapping[str, str], attempt: int,
+                          span: Any) -> _Held | Rejected | Retry:
         prefill: WorkerView = decision.prefill
         decode: WorkerView = decision.decode
         ticket = self.signer.sign(
@@ -390,8 +423,8 @@ class AdmissionService:
                                                          stream_key=choice.stream_key,
                                                          data_key=data_key),
                                         m.ReserveReply, self.cfg.reserve_timeout_s,
-                                        headers=self.policy.reserve_headers(
-                                            choice.request_id, headers, attempt))
+                                        headers=self._traced(span, self.policy.reserve_headers(
+                                            choice.request_id, headers, attempt)))
         except (TimeoutError, m.MessageError) as exc:
             self.reservations.labels("error").inc()
             log.warning("reserve on %s for %s failed: %s", decode.worker_id,
@@ -425,6 +458,10 @@ class AdmissionService:
         self.registry.charge(m.Role.PREFILL, prefill.worker_id, len(req.prompt_ids))
         return _Held(choice, decision, ticket, data_key, res.reservation)
 
+    def _traced(self, span: Any, headers: dict[str, str] | None) -> dict[str, str] | None:
+        """`headers` plus `span`'s trace context (the worker's spans hang below it)."""
+        return headers if span is None else self.rt.tracing.headers(span, into=headers)
+
     async def _cancel(self, held: list[_Held], why: str) -> None:
         """Let go of reservations that will not be dispatched, on the reserve subject of
         each one's decode (admission may publish there; a Release is prefill's)."""
@@ -442,6 +479,10 @@ class AdmissionService:
                         headers: Mapping[str, str]) -> Rejected | None:
         """Dispatch one reserved choice to its prefill (None), or the rejection of a
         dispatch NATS refuses (its reservation already let go)."""
+        span = self.rt.tracing.span(
+            "admission.dispatch", kind="producer",
+            **{"pdmesh.request_id": h.choice.request_id,
+               "pdmesh.prefill_worker": h.decision.prefill.worker_id})
         try:
             await self.rt.publish(m.dispatch_subject(h.decision.prefill.worker_id),
                                   m.PrefillDispatch(
@@ -449,8 +490,9 @@ class AdmissionService:
                 reservation=h.reservation,
                 grant=self.signer.grant(h.ticket, req.prompt_ids, h.reservation),
                 stream_key=h.choice.stream_key, data_key=h.data_key),
-                headers=self.policy.dispatch_headers(headers))
+                headers=self._traced(span, self.policy.dispatch_headers(headers)))
         except nats.errors.MaxPayloadError as exc:
+            end(span, error=str(exc))
             # A NATS configured below the mesh's max_payload (services/ops/natsauth.py): the
             # submit fitted, its dispatch does not. Decode lets go now, quietly: the client
             # learns why from admission.
@@ -465,6 +507,7 @@ class AdmissionService:
             return Rejected(m.Code.INVALID, "the prompt's dispatch exceeds this mesh's NATS "
                             f"max_payload ({self.rt.nc.max_payload} bytes): {exc}")
         self.dispatches.inc()
+        end(span)
         if self.trace is not None:
             self.trace.emit("dispatch", req=h.choice.request_id,
                             lease=h.reservation.reservation_id,

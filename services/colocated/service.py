@@ -138,12 +138,15 @@ class LocalPrefill:
         logits = None
         for start, length in prefill_windows(0, len(d.prompt_ids)):
             dreq.pinned = True  # the engine thread writes this lease: defer any release
+            chunk_at = time.monotonic()
             try:
                 logits = await svc.compute(svc.engine.prefill, dreq.lease,
                                            d.prompt_ids[start:start + length], start)
             except Exception as exc:
                 log.exception("colocated prefill of %s failed", dreq.request_id)
                 dreq.finish(m.Outcome(code=m.Code.INTERNAL, detail=str(exc)))
+            svc.rt.tracing.record("prefill.chunk", dreq.span, chunk_at, time.monotonic(),
+                                  **{"pdmesh.chunk.start": start, "pdmesh.chunk.tokens": length})
             lease = dreq.unpin()
             if lease is not None:  # ended during the chunk (or by it): stop here
                 await svc.conclude(dreq, lease)

@@ -23,11 +23,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.msg import Msg
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from pdmesh.kvstore import Lease, PoolExhaustedError
 from pdmesh.kvstore.spec import pages_for
@@ -40,7 +40,7 @@ from pdmesh.services.protocol import streamauth
 from pdmesh.services.protocol.capacity import decode_refusal
 from pdmesh.services.protocol.errors import TicketError
 from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
-from pdmesh.services.runtime import ptrace
+from pdmesh.services.runtime import ptrace, tracing
 from pdmesh.services.runtime.config import DecodeConfig
 from pdmesh.services.runtime.service import ServiceState, counter_total, settle
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
@@ -75,6 +75,8 @@ class DecodeRequest:
     stream_key: bytes | None = None
     data_key: bytes = b""
     progress_done: int = 0  # the prompt tokens prefill last reported computed
+    span: Any = None  # decode.request, reservation to the last event (tracing.py; None: off)
+    gen_span: Any = None  # decode.generate, first token to last
 
     def __post_init__(self) -> None:
         self.lifecycle = Lifecycle(self.ticket.request_id, RequestState.RESERVED)
@@ -179,6 +181,15 @@ class DecodeService(WorkerBase):
                                 registry=r)
         self.tokens_out = Counter("pdmesh:generated_tokens_total", "Tokens generated",
                                   registry=r)
+        # What an autoscaler scales decode on (compose/helm: KEDA), beside
+        # pdmesh:kv_cache_usage_perc: requests generating here, and those reserved here
+        # whose prompt's KV has not arrived yet.
+        for state, doc in (("running", "Requests generating here"),
+                           ("waiting", "Requests reserved here whose prompt's KV has not "
+                            "arrived yet")):
+            Gauge(f"pdmesh:decode_requests_{state}", doc, ["model_name", "worker"],
+                  registry=r).labels(self.model_name, cfg.worker_id).set_function(
+                      lambda running=(state == "running"): self._count_requests(running))
 
     async def subscribe(self) -> None:
         wid = self.cfg.worker_id
@@ -219,6 +230,10 @@ class DecodeService(WorkerBase):
                     detail=f"prefill worker {dreq.ticket.prefill_worker} reported no progress "
                     f"for {self.cfg.prefill_stall_s:g}s"))
 
+    def _count_requests(self, running: bool) -> int:
+        return sum((r.state is RequestState.DECODING) == running
+                   for r in self.requests.values())
+
     def active_requests(self) -> int:
         return len(self.requests)
 
@@ -244,10 +259,24 @@ class DecodeService(WorkerBase):
         if self.reply_delay is not None:  # test meshes only (services/faults.py)
             await asyncio.sleep(self.reply_delay(msg.headers))
         await self.rt.respond(msg, reply)
+        if self.rt.tracing.enabled and isinstance(reply, m.Reserved):
+            self._trace_reserved(reply, msg.headers or {})
         if self.trace is not None and isinstance(reply, m.Reserved):
             r = reply.reservation
             self.trace.emit("reserve_in", req=reply.request_id, lease=r.reservation_id,
                             epoch=r.epoch)
+
+    def _trace_reserved(self, reply: m.Reserved, headers: Mapping[str, str]) -> None:
+        """The request's span here, continuing admission's reserve span."""
+        dreq = self.requests.get(reply.request_id)
+        if dreq is not None and dreq.span is None:
+            t = dreq.ticket
+            dreq.span = self.rt.tracing.span(
+                "decode.request", headers, kind="server", start=dreq.reserved_at,
+                **{"pdmesh.request_id": t.request_id, "pdmesh.prefill_worker": t.prefill_worker,
+                   "gen_ai.usage.input_tokens": t.prompt_len,
+                   "gen_ai.request.max_tokens": t.max_tokens,
+                   "pdmesh.kv.pages": len(reply.reservation.page_ids)})
 
     async def _on_cancel(self, c: m.ReserveCancel) -> None:
         """Admission gave up on a reservation it asked for (no reply in time, or a dispatch
@@ -355,6 +384,9 @@ class DecodeService(WorkerBase):
             remaining -= page
         self.transfers.labels("ok").inc()
         self.kv_bytes.labels("in").inc(result.bytes)
+        self.rt.tracing.record("decode.kv_wait", dreq.span, dreq.reserved_at, committed_at,
+                               **{"pdmesh.kv.bytes": result.bytes,
+                                  "pdmesh.kv.transport": self.cfg.transport})
         await self.start_decoding(dreq, result.first_token, committed_at)
 
     async def start_decoding(self, dreq: DecodeRequest, first_token: int,
@@ -362,7 +394,10 @@ class DecodeService(WorkerBase):
         """The prompt's KV is in this lease and verified (at `since`): publish the first
         token, decode."""
         dreq.lifecycle.advance(RequestState.TRANSFERRED)
+        if dreq.span is not None:
+            dreq.gen_span = self.rt.tracing.span("decode.generate", dreq.span)
         await self._emit(dreq, first_token, since)
+        tracing.event(dreq.gen_span, "first_token")
         if not dreq.lifecycle.is_terminal:
             dreq.lifecycle.advance(RequestState.DECODING)
             self.scheduler.add(dreq)
@@ -495,12 +530,26 @@ class DecodeService(WorkerBase):
             self.pool.release(lease, outcome.label)
         self.releases.labels(outcome.label).inc()
         self.requests.pop(dreq.request_id, None)
+        if dreq.span is not None:
+            self._trace_end(dreq, outcome, quarantine)
         if not dreq.quiet:
             if self.trace is not None:  # the request's terminal event, after its release
                 self.trace.emit("tell", req=dreq.request_id, lease=dreq.reservation_id,
                                 kind=outcome.code.kind.name.lower(), code=outcome.label)
             await self.tell(dreq, event or m.StreamFailed(request_id=dreq.request_id,
                                                           outcome=outcome))
+
+    @staticmethod
+    def _trace_end(dreq: DecodeRequest, outcome: m.Outcome, quarantine: str) -> None:
+        failed = "" if outcome.code.kind is m.Kind.FINISHED else outcome.detail
+        if dreq.gen_span is not None:
+            tracing.event(dreq.gen_span, "last_token", tokens=len(dreq.generated))
+            tracing.end(dreq.gen_span, error=failed, **{"gen_ai.usage.output_tokens":
+                                                len(dreq.generated)})
+        tracing.end(dreq.span, error=failed, **{"pdmesh.outcome": outcome.label,
+                                        "gen_ai.usage.output_tokens": len(dreq.generated),
+                                        "pdmesh.quarantined": quarantine or None})
+        dreq.span = dreq.gen_span = None
 
     async def tell(self, dreq: DecodeRequest, event: m.StreamEvent) -> None:
         """Publish one event on the request's stream, MACed under its stream key."""

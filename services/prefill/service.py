@@ -30,11 +30,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from pdmesh.kvstore import KVPool, Lease, PoolExhaustedError, PrefixCache
 from pdmesh.kvstore.spec import pages_for
@@ -50,6 +51,7 @@ from pdmesh.services.protocol.lifecycle import Lifecycle, RequestState
 from pdmesh.services.runtime import ptrace
 from pdmesh.services.runtime.config import PrefillConfig
 from pdmesh.services.runtime.service import counter_total
+from pdmesh.services.runtime.tracing import end
 from pdmesh.services.runtime.worker import WorkerBase, run_worker
 from pdmesh.transports import KVTransport, PagesReady, Reason, TransferError, TransferPlan
 from pdmesh.transports.framing import transfer_key
@@ -147,6 +149,7 @@ class PrefillJob:
     computed_at: float = 0.0  # last chunk done
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # no chunk runs any more
     failure: tuple[m.Outcome, str] | None = None  # what to tell decode and the client
+    span: Any = None  # its trace span (tracing.py; None: off)
 
     def __post_init__(self) -> None:
         self.lifecycle = Lifecycle(self.request_id, RequestState.ADMITTED)
@@ -194,7 +197,13 @@ class PrefillService(WorkerBase):
                                   "Prompt tokens served from the prefix cache", registry=r)
         self.cache_evictions = Counter("pdmesh:prefix_cache_evictions_total",
                                        "Prefix-cache pages evicted", registry=r)
-        model_name = cfg.served_model_names[0] if cfg.served_model_names else self.model.name
+        model_name = self.model_name
+        # What an autoscaler scales prefill on (compose/helm: KEDA): the prompt tokens this
+        # worker has still to compute, waiting or under way.
+        Gauge("pdmesh:prefill_queued_prompt_tokens", "Prompt tokens queued here and not "
+              "computed yet (waiting prompts and the rest of those under way)",
+              ["model_name", "worker"], registry=r).labels(
+                  model_name, cfg.worker_id).set_function(self.queued_prompt_tokens)
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(f"pdmesh:{name}", doc, ["model_name"], registry=r,
@@ -229,6 +238,10 @@ class PrefillService(WorkerBase):
     def active_requests(self) -> int:
         return len(self.queue)
 
+    def queued_prompt_tokens(self) -> int:
+        return sum(job.prompt_len - job.done_tokens for job in self.queue.jobs.values()
+                   if not job.lifecycle.is_terminal)
+
     def counters(self) -> dict[str, float]:
         return {"dispatches": counter_total(self.dispatches),
                 "bootstraps": counter_total(self.bootstraps),
@@ -244,12 +257,19 @@ class PrefillService(WorkerBase):
         dispatch = self.intake(d, msg.headers)
         if dispatch is None:
             return
-        await self.accept(dispatch)
+        await self.accept(dispatch, msg.headers)
 
-    async def accept(self, d: m.PrefillDispatch) -> None:
-        """Verify and queue one dispatch, or give it up (decode and the client told)."""
+    async def accept(self, d: m.PrefillDispatch,
+                     headers: Mapping[str, str] | None = None) -> None:
+        """Verify and queue one dispatch, or give it up (decode and the client told).
+        `headers`: the dispatch's, whose trace context the job's span continues."""
         rid = d.ticket.request_id
         self.seen_requests.append(rid)
+        span = self.rt.tracing.span(
+            "prefill.job", headers or {}, kind="consumer",
+            **{"pdmesh.request_id": rid, "gen_ai.usage.input_tokens": len(d.prompt_ids),
+               "pdmesh.decode_worker": d.ticket.decode_worker}) \
+            if self.rt.tracing.enabled else None
         try:
             self.verifier.verify(d.ticket, prompt_len=len(d.prompt_ids))
             problem = self._recheck(d)
@@ -259,15 +279,18 @@ class PrefillService(WorkerBase):
             self.ticket_refusals.labels(exc.reason.split(" ")[0]).inc()
             await self._give_up(d, m.Outcome(code=m.Code.TICKET_INVALID, detail=str(exc)),
                                 "ticket_refused")
+            end(span, error=str(exc))
             return
         if problem:
             await self._give_up(d, m.Outcome(code=m.Code.PREFILL_REJECTED, detail=problem),
                                 "rejected")
+            end(span, error=problem)
             return
         if self.queue.get(rid) is not None:
             log.warning("duplicate dispatch for %s ignored", rid)
+            end(span, error="duplicate dispatch")
             return
-        job = PrefillJob(d)
+        job = PrefillJob(d, span=span)
         self.queue.push(job)
         self.dispatches.labels("queued").inc()
         if self.trace is not None:
@@ -401,7 +424,7 @@ class PrefillService(WorkerBase):
         while (job := self.queue.next_waiting()) is not None:
             if job.lifecycle.is_terminal:  # aborted while waiting: decode heard it too
                 self.queue.pop()
-                self.queue.done(job)
+                self._done(job)
                 self.dispatches.labels("aborted").inc()
                 continue
             d = job.dispatch
@@ -412,7 +435,7 @@ class PrefillService(WorkerBase):
                 if self.queue.active or self._sending():
                     return  # a running or sending prefill frees pages: retried then
                 self.queue.pop()
-                self.queue.done(job)
+                self._done(job)
                 failure = self._fail(job.lifecycle, m.Code.PREFILL_REJECTED, str(exc),
                                      "pool_full")
                 if failure is not None:
@@ -424,11 +447,22 @@ class PrefillService(WorkerBase):
             except Exception as exc:  # a bug must cost this request, not the worker
                 log.exception("starting the prefill of %s failed", job.request_id)
                 self.pool.release(lease, "internal")
-                self.queue.done(job)
+                self._done(job)
                 failure = self._fail(job.lifecycle, m.Code.INTERNAL,
                                      f"prefill failed: {exc}", "error")
                 if failure is not None:
                     await self._give_up(d, *failure)
+
+    def _done(self, job: PrefillJob) -> None:
+        """The job holds nothing here any more: out of the queue; its span ends."""
+        self.queue.done(job)
+        if job.span is not None:
+            outcome = job.lifecycle.outcome
+            end(job.span, error=outcome.detail if outcome is not None
+                and outcome.code.kind is not m.Kind.FINISHED else "",
+                **{"pdmesh.outcome": outcome.label if outcome is not None else None,
+                   "pdmesh.cached_tokens": job.lease.cached_tokens if job.lease else None})
+            job.span = None
 
     def _sending(self) -> bool:
         return any(j.send_task is not None and not j.send_task.done()
@@ -461,8 +495,9 @@ class PrefillService(WorkerBase):
         if not job.started_at:
             job.started_at = time.monotonic()
             self.queue_seconds.observe(job.started_at - job.received_at)
+            self.rt.tracing.record("prefill.queue", job.span, job.received_at, job.started_at)
         piece = d.prompt_ids[start:start + length]
-        self._compute_since = time.monotonic()
+        self._compute_since = chunk_at = time.monotonic()
         try:
             logits = await self.compute(self.engine.prefill, lease, piece, start)
         except Exception as exc:
@@ -474,6 +509,8 @@ class PrefillService(WorkerBase):
             self._compute_since = 0.0
         self.prompt_tokens.inc(length)
         job.done_tokens = start + length
+        self.rt.tracing.record("prefill.chunk", job.span, chunk_at, time.monotonic(),
+                               **{"pdmesh.chunk.start": start, "pdmesh.chunk.tokens": length})
         if life.is_terminal:  # guard: abort-stops-prefill.after-chunk
             self._stop_compute(job)
             return
@@ -529,11 +566,18 @@ class PrefillService(WorkerBase):
             exposed = max(acked_at - job.computed_at, 0.0)
             self.transfer_seconds.observe(busy)
             self.exposed_seconds.observe(exposed)
+            self.rt.tracing.record(
+                "kv.transfer", job.span, sent_at, acked_at,
+                **{"pdmesh.kv.bytes": ack.bytes, "pdmesh.kv.transport": self.cfg.transport,
+                   "pdmesh.kv.pages": len(buffers), "pdmesh.kv.busy_s": busy,
+                   "pdmesh.kv.exposed_s": exposed})
             if not life.is_terminal:  # an abort during the send already ended it
                 life.advance(RequestState.TRANSFERRED)
                 await self._publish_timing(job, busy, exposed)
         except TransferError as exc:
             self.transfers.labels(exc.reason.name.lower()).inc()
+            self.rt.tracing.record("kv.transfer", job.span, sent_at, time.monotonic(),
+                                   error=str(exc), **{"pdmesh.kv.transport": self.cfg.transport})
             if exc.reason is Reason.PEER_LOST:
                 # Decode died or was cut off mid-transfer: the gateway resumes elsewhere.
                 job.failure = job.failure or self._fail(
@@ -559,7 +603,7 @@ class PrefillService(WorkerBase):
                 # Release before telling: this worker's pages are back before anyone hears.
                 self.pool.release(job.lease, life.outcome.label if life.outcome
                                   else life.state.name.lower())
-                self.queue.done(job)
+                self._done(job)
                 self._work.set()
         if job.failure is not None:
             await self._give_up(d, *job.failure)

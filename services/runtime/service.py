@@ -52,6 +52,7 @@ from pdmesh.services.protocol import streamauth
 from pdmesh.services.protocol.errors import StartupError
 from pdmesh.services.runtime.config import ServiceConfig
 from pdmesh.services.runtime.ptrace import ProtocolTrace
+from pdmesh.services.runtime.tracing import open_tracing
 
 log = logging.getLogger("pdmesh.runtime")
 DRAIN_TIMEOUT_S = 3.0  # flushing NATS on shutdown; a dead server must not hold us longer
@@ -119,6 +120,9 @@ class ServiceRuntime:
                                exc.strerror or str(exc)) from None
         if self.trace is not None:
             self.trace.emit("start", role=cfg.role, worker=cfg.worker_id)
+        # Request tracing (tracing.py): NOOP unless --otlp-traces-endpoint is set.
+        self.tracing = open_tracing(getattr(cfg, "otlp_traces_endpoint", ""), cfg.role,
+                                    cfg.worker_id)
         self.registry = registry or CollectorRegistry()
         self.nc: NATS = NATS()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -565,6 +569,8 @@ class ServiceRuntime:
             await runner.cleanup()
         if self._restore_loop_handler is not None:
             self._restore_loop_handler()
+        if self.tracing.enabled:  # the last spans, exported off the loop (bounded)
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
         self._set_state(ServiceState.CLOSED)
         if self.trace is not None:  # the last line of a clean stop
             self.trace.emit("stop", role=self.role, why=why)

@@ -73,6 +73,12 @@ def nats_urls(value: str) -> str | None:
         if bad else None
 
 
+def otlp_endpoint(value: str) -> str | None:
+    if not value or value.startswith(("http://", "https://")):
+        return None
+    return "must be an http:// or https:// URL (OTLP over HTTP)"
+
+
 def hex_key(value: str) -> str | None:
     """A 32-byte key written as 64 hex characters."""
     if len(value) != KEY_HEX_CHARS:
@@ -316,6 +322,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("protocol_trace_dir", "--protocol-trace-dir", "PDMESH_PROTOCOL_TRACE_DIR", str,
             "", "Directory where every service appends its protocol actions as JSON lines "
             "(one file per process), for tests/model/tracecheck.py; off when empty.", ROLES),
+    Setting("otlp_traces_endpoint", "--otlp-traces-endpoint", "PDMESH_OTLP_TRACES_ENDPOINT",
+            str, "", "OpenTelemetry traces: the OTLP/HTTP endpoint spans are exported to "
+            "(e.g. `http://jaeger:4318/v1/traces`; vLLM's flag name); off when empty, and "
+            "then no tracing code runs.", ROLES, check=otlp_endpoint, up=True),
     # Process-level: read from the environment, not carried by a config.
     Setting("allow_faults", None, "PDMESH_ALLOW_FAULTS", bool, False,
             "`1` lets a service accept --faults (test meshes only; an env var and no flag, so "

@@ -143,10 +143,11 @@ class WorkerBase:
                                 ["direction"], registry=r)
         r.register(DataPlaneCollector(self.transport))
         # vLLM's meaning: the fraction of the KV pool in use (cached-but-evictable is free).
+        self.model_name = (cfg.served_model_names[0] if cfg.served_model_names
+                           else self.model.name)  # the `model_name` label, as vLLM's
         self.kv_usage = Gauge("pdmesh:kv_cache_usage_perc", "KV pool in use (0..1)",
                               ["model_name", "worker"], registry=r).labels(
-                                  cfg.served_model_names[0] if cfg.served_model_names
-                                  else self.model.name, cfg.worker_id)
+                                  self.model_name, cfg.worker_id)
 
     async def start(self) -> None:
         rt = self.rt
