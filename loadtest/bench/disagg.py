@@ -20,6 +20,11 @@ length it reports:
   which other load on the machine moves much less than wall-clock TTFT (counted in 10 ms
   ticks: telling for requests of a second of CPU or more); with
   `cpu_s_<model>_<len>_{mesh,colocated}`;
+- with `--tracing`, a third mesh like the first with request tracing on
+  (`--otlp-traces-endpoint`, exporting to an OTLP/HTTP sink in this process) takes its
+  turns too: `tracing_ttft_ratio_<model>_<len>` (its median TTFT / the untraced mesh's) and
+  `tracing_cpu_ratio_<model>_<len>` are what tracing costs, `otlp_exports` and
+  `otlp_export_bytes` what it sent;
 - the medians themselves (`ttft_s_<model>_<len>_{mesh,colocated}`), the runs done, the
   machine's load average at the start and the end, what the budget left out, and an
   `error_<model>_<len>` for a length that failed (the exit status is then 1).
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.server
 import json
 import os
 import random
@@ -136,9 +142,10 @@ START_TRIES = 3  # `pdmesh up` picks free ports for its services; another proces
 
 
 @contextlib.contextmanager
-def started(label: str, model: str, context: int, colocated: bool) -> Iterator[Server]:
+def started(label: str, model: str, context: int, colocated: bool,
+            extra: tuple[str, ...] = ()) -> Iterator[Server]:
     for attempt in range(START_TRIES):
-        server = _start(label, model, context, colocated)
+        server = _start(label, model, context, colocated, extra)
         try:
             _wait_ready(server)
         except RuntimeError:
@@ -153,12 +160,14 @@ def started(label: str, model: str, context: int, colocated: bool) -> Iterator[S
         return
 
 
-def _start(label: str, model: str, context: int, colocated: bool) -> Server:
+def _start(label: str, model: str, context: int, colocated: bool,
+           extra: tuple[str, ...] = ()) -> Server:
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "pdmesh.services.ops.cli", "up", "--model", model,
            "--gateway-port", str(port), "--metrics-port", str(metrics_port),
            "--max-context", str(context),
-           "--kv-tokens", str(context + 256), *(["--colocated"] if colocated else [])]
+           "--kv-tokens", str(context + 256), *(["--colocated"] if colocated else []),
+           *extra]
     env = {**os.environ, "PDMESH_ALLOW_DEV_CREDENTIALS": "1", "PDMESH_LOG_LEVEL": "WARNING",
            "PYTHONUNBUFFERED": "1", **BENCH_ENV}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -200,66 +209,130 @@ def _stop(server: Server) -> None:
         proc.stdout.close()
 
 
+@dataclass
+class OtlpSink:
+    """An OTLP/HTTP receiver that takes every export (200) and counts it: where the traced
+    mesh's spans go."""
+
+    server: http.server.ThreadingHTTPServer
+    exports: int = 0
+    bytes: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+
+
+@contextlib.contextmanager
+def otlp_sink() -> Iterator[OtlpSink]:
+    holder: list[OtlpSink] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            size = len(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            holder[0].exports += 1
+            holder[0].bytes += size
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    sink = OtlpSink(http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler))
+    holder.append(sink)
+    thread = threading.Thread(target=sink.server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield sink
+    finally:
+        sink.server.shutdown()
+        sink.server.server_close()
+
+
 def _label(length: int) -> str:
     return f"{length // 1024}k" if length % 1024 == 0 else str(length)
 
 
 def bench_model(model: str, lengths: list[int], runs: int, budget_end: float,
-                report: dict[str, object], skipped: list[str]) -> None:
+                report: dict[str, object], skipped: list[str],
+                sink: OtlpSink | None = None) -> None:
     context = MODEL_CONTEXT.get(model, max(lengths) + MAX_TOKENS)
     rng = random.Random(f"disagg-{model}")
     low, high = TOKEN_RANGE.get(model, (200, 1000))
-    with started("mesh", model, context, False) as mesh, \
-            started("colocated", model, context, True) as colo:
-        for server in (mesh, colo):  # first calls pay for lazy set-up: not measured
-            server.complete([rng.randint(low, high) for _ in range(64)], model, WARMUP_TIMEOUT_S)
-        for length in sorted(lengths):
-            key = f"{model}_{_label(length)}"
-            if time.monotonic() > budget_end:
-                skipped.append(key)
-                continue
-            prompt_len = min(length, context - MAX_TOKENS)  # smollm2's 8k: the whole context
-            ttfts: dict[str, list[float]] = {"mesh": [], "colocated": []}
-            cpus: dict[str, list[float]] = {"mesh": [], "colocated": []}
-            before = mesh.metrics()
-            try:
-                for run in range(runs):
-                    prompt = [rng.randint(low, high) for _ in range(prompt_len)]
-                    order = (mesh, colo) if run % 2 == 0 else (colo, mesh)
-                    for server in order:
-                        transfers = server.metrics().get(TRANSFER_COUNT, 0.0)
-                        # A request may overrun the budget, never the budget by far.
-                        timeout_s = max(budget_end - time.monotonic(), 0.0) + REQUEST_GRACE_S
-                        cpu = server.cpu_s()
-                        ttfts[server.label].append(server.complete(prompt, model, timeout_s))
-                        if server is mesh:
-                            server.wait_for_timing(transfers)
-                        cpus[server.label].append(server.cpu_s() - cpu)
-            except RuntimeError as exc:  # this length failed; the next may not
-                print(f"pdmesh bench disagg: {key}: {exc}", file=sys.stderr, flush=True)
-                report[f"error_{key}"] = str(exc).splitlines()[0][:500]
-                continue
-            after = mesh.metrics()
-            mesh_s, colo_s = (statistics.median(ttfts[k]) for k in ("mesh", "colocated"))
-            transfer = after.get(TRANSFER_SUM, 0.0) - before.get(TRANSFER_SUM, 0.0)
-            exposed = after.get(EXPOSED_SUM, 0.0) - before.get(EXPOSED_SUM, 0.0)
-            report[f"ttft_ratio_{key}"] = mesh_s / colo_s if colo_s > 0 else None
-            # Of the fastest runs: less swayed by other load on a shared machine.
-            best_colo = min(ttfts["colocated"])
-            report[f"ttft_ratio_best_{key}"] = (min(ttfts["mesh"]) / best_colo
-                                                if best_colo > 0 else None)
-            report[f"exposed_transfer_share_{key}"] = exposed / transfer if transfer > 0 \
-                else None
-            mesh_cpu, colo_cpu = (statistics.median(cpus[k]) for k in ("mesh", "colocated"))
-            report[f"cpu_ratio_{key}"] = mesh_cpu / colo_cpu if colo_cpu > 0 else None
-            report[f"cpu_s_{key}_mesh"] = mesh_cpu
-            report[f"cpu_s_{key}_colocated"] = colo_cpu
-            report[f"ttft_s_{key}_mesh"] = mesh_s
-            report[f"ttft_s_{key}_colocated"] = colo_s
-            report[f"prompt_tokens_{key}"] = prompt_len
-            report[f"runs_{key}"] = runs
-            print(f"disagg: {key}: mesh {mesh_s:.3f}s colocated {colo_s:.3f}s, CPU "
-                  f"{mesh_cpu:.2f} / {colo_cpu:.2f} s (runs {runs})", file=sys.stderr, flush=True)
+    with contextlib.ExitStack() as stack:
+        mesh = stack.enter_context(started("mesh", model, context, False))
+        colo = stack.enter_context(started("colocated", model, context, True))
+        servers = [mesh, colo]
+        if sink is not None:  # the same mesh with tracing on, exporting to the sink
+            servers.append(stack.enter_context(started(
+                "traced", model, context, False, ("--otlp-traces-endpoint", sink.endpoint))))
+        _bench_lengths(model, lengths, runs, budget_end, report, skipped, servers, context,
+                       rng, (low, high))
+
+
+def _bench_lengths(model: str, lengths: list[int], runs: int, budget_end: float,
+                   report: dict[str, object], skipped: list[str], servers: list[Server],
+                   context: int, rng: random.Random, token_range: tuple[int, int]) -> None:
+    mesh, colo = servers[0], servers[1]
+    low, high = token_range
+    for server in servers:  # first calls pay for lazy set-up: not measured
+        server.complete([rng.randint(low, high) for _ in range(64)], model, WARMUP_TIMEOUT_S)
+    for length in sorted(lengths):
+        key = f"{model}_{_label(length)}"
+        if time.monotonic() > budget_end:
+            skipped.append(key)
+            continue
+        prompt_len = min(length, context - MAX_TOKENS)  # smollm2's 8k: the whole context
+        ttfts: dict[str, list[float]] = {s.label: [] for s in servers}
+        cpus: dict[str, list[float]] = {s.label: [] for s in servers}
+        before = mesh.metrics()
+        try:
+            for run in range(runs):
+                prompt = [rng.randint(low, high) for _ in range(prompt_len)]
+                k = run % len(servers)  # each goes first in turn
+                for server in servers[k:] + servers[:k]:
+                    transfers = server.metrics().get(TRANSFER_COUNT, 0.0)
+                    # A request may overrun the budget, never the budget by far.
+                    timeout_s = max(budget_end - time.monotonic(), 0.0) + REQUEST_GRACE_S
+                    cpu = server.cpu_s()
+                    ttfts[server.label].append(server.complete(prompt, model, timeout_s))
+                    if server is not colo:
+                        server.wait_for_timing(transfers)
+                    cpus[server.label].append(server.cpu_s() - cpu)
+        except RuntimeError as exc:  # this length failed; the next may not
+            print(f"pdmesh bench disagg: {key}: {exc}", file=sys.stderr, flush=True)
+            report[f"error_{key}"] = str(exc).splitlines()[0][:500]
+            continue
+        after = mesh.metrics()
+        mesh_s, colo_s = (statistics.median(ttfts[k]) for k in ("mesh", "colocated"))
+        transfer = after.get(TRANSFER_SUM, 0.0) - before.get(TRANSFER_SUM, 0.0)
+        exposed = after.get(EXPOSED_SUM, 0.0) - before.get(EXPOSED_SUM, 0.0)
+        report[f"ttft_ratio_{key}"] = mesh_s / colo_s if colo_s > 0 else None
+        # Of the fastest runs: less swayed by other load on a shared machine.
+        best_colo = min(ttfts["colocated"])
+        report[f"ttft_ratio_best_{key}"] = (min(ttfts["mesh"]) / best_colo
+                                            if best_colo > 0 else None)
+        report[f"exposed_transfer_share_{key}"] = exposed / transfer if transfer > 0 \
+            else None
+        mesh_cpu, colo_cpu = (statistics.median(cpus[k]) for k in ("mesh", "colocated"))
+        report[f"cpu_ratio_{key}"] = mesh_cpu / colo_cpu if colo_cpu > 0 else None
+        report[f"cpu_s_{key}_mesh"] = mesh_cpu
+        report[f"cpu_s_{key}_colocated"] = colo_cpu
+        report[f"ttft_s_{key}_mesh"] = mesh_s
+        report[f"ttft_s_{key}_colocated"] = colo_s
+        report[f"prompt_tokens_{key}"] = prompt_len
+        report[f"runs_{key}"] = runs
+        if len(servers) > 2:
+            traced_s = statistics.median(ttfts["traced"])
+            traced_cpu = statistics.median(cpus["traced"])
+            report[f"ttft_s_{key}_traced"] = traced_s
+            report[f"cpu_s_{key}_traced"] = traced_cpu
+            report[f"tracing_ttft_ratio_{key}"] = traced_s / mesh_s if mesh_s > 0 else None
+            report[f"tracing_cpu_ratio_{key}"] = (traced_cpu / mesh_cpu if mesh_cpu > 0
+                                                  else None)
+        print(f"disagg: {key}: mesh {mesh_s:.3f}s colocated {colo_s:.3f}s, CPU "
+              f"{mesh_cpu:.2f} / {colo_cpu:.2f} s (runs {runs})", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=900.0,
                         help="no new length starts after this many seconds (default "
                              "%(default)s)")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also run the mesh with request tracing on (exporting to an "
+                             "OTLP/HTTP sink here) and report what tracing costs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     models = [name for name in args.models.split(",") if name]
@@ -295,17 +371,21 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, object] = {"load_avg_1m_start": os.getloadavg()[0],
                                  "cpu_count": os.cpu_count()}
     skipped: list[str] = []
-    for model in models:
-        lengths = custom or list(LENGTHS[model])
-        if time.monotonic() > started_at + args.budget_s:
-            skipped += [f"{model}_{_label(n)}" for n in lengths]
-            continue
-        try:
-            bench_model(model, lengths, args.runs, started_at + args.budget_s, report,
-                        skipped)
-        except RuntimeError as exc:  # a mesh that did not start, a request that failed
-            print(f"pdmesh bench disagg: {model}: {exc}", file=sys.stderr)
-            report[f"error_{model}"] = str(exc).splitlines()[0]
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(otlp_sink()) if args.tracing else None
+        for model in models:
+            lengths = custom or list(LENGTHS[model])
+            if time.monotonic() > started_at + args.budget_s:
+                skipped += [f"{model}_{_label(n)}" for n in lengths]
+                continue
+            try:
+                bench_model(model, lengths, args.runs, started_at + args.budget_s, report,
+                            skipped, sink)
+            except RuntimeError as exc:  # a mesh that did not start, a request that failed
+                print(f"pdmesh bench disagg: {model}: {exc}", file=sys.stderr)
+                report[f"error_{model}"] = str(exc).splitlines()[0]
+        if sink is not None:
+            report.update(otlp_exports=sink.exports, otlp_export_bytes=sink.bytes)
     report.update(load_avg_1m_end=os.getloadavg()[0], skipped=skipped,
                   wall_s=time.monotonic() - started_at, target_ttft_ratio=1.05,
                   target_exposed_transfer_share=0.25)

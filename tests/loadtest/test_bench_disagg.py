@@ -1,4 +1,4 @@
-"""`pdmesh bench disagg` end to end, at its smallest: both meshes start, the same prompts
+"""`pdmesh bench disagg` end to end, at its smallest: the meshes start, the same prompts
 go to each, and the one JSON object carries every figure it promises. No speed assertion
 here: the targets live in the bench's own output. The whole run is in `make test-long`."""
 
@@ -20,7 +20,8 @@ from tests.support.meshproc import REPO
 def test_bench_disagg_reports_ratio_and_medians_for_each_length() -> None:
     res = subprocess.run([sys.executable, "-m", "pdmesh.services.ops.cli", "bench", "disagg",
                           "--models", "tiny", "--lengths", "64,600", "--runs", "1",
-                          "--budget-s", "300", "--json"], cwd=REPO, capture_output=True,
+                          "--budget-s", "300", "--tracing", "--json"], cwd=REPO,
+                         capture_output=True,
                          text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
@@ -37,6 +38,11 @@ def test_bench_disagg_reports_ratio_and_medians_for_each_length() -> None:
     assert report["cpu_ratio_tiny_600"] == pytest.approx(
         report["cpu_s_tiny_600_mesh"] / report["cpu_s_tiny_600_colocated"])
     assert report["prompt_tokens_tiny_600"] == 600
+    # --tracing: the traced mesh took its turns and exported its spans to the bench's sink.
+    for key in ("tiny_64", "tiny_600"):
+        assert report[f"tracing_ttft_ratio_{key}"] == pytest.approx(
+            report[f"ttft_s_{key}_traced"] / report[f"ttft_s_{key}_mesh"])
+    assert report["otlp_exports"] > 0 and report["otlp_export_bytes"] > 0
     assert report["target_ttft_ratio"] == 1.05
 
 
