@@ -26,8 +26,7 @@ from tests.support.meshproc import REPO, Mesh, mesh_env, run_mesh
 pytestmark = [pytest.mark.slow]
 
 SERVICES = ("pdmesh-gateway", "pdmesh-admission", "pdmesh-prefill", "pdmesh-decode")
-CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"  # W3C's example ids: the client's span
-CLIENT_SPAN = "00f067aa0ba902b7"
+CLIENT = "test-client"  # this process: its own span, exported to the same receiver
 
 
 @dataclass
@@ -159,32 +158,61 @@ def _one(spans: list[Span], name: str) -> Span:
     return found[0]
 
 
+def _client_span(receiver: Receiver) -> Iterator[tuple[str, str, dict[str, str]]]:
+    """A client span of this process's own, exported to the receiver: (trace id, span id,
+    the headers that carry it)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.trace import set_span_in_context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    provider = TracerProvider(resource=Resource.create({"service.name": CLIENT}))
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(receiver.endpoint)))
+    span = provider.get_tracer("test").start_span("client.request")
+    headers: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(headers, context=set_span_in_context(span))
+    ctx = span.get_span_context()
+    try:
+        yield f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}", headers
+    finally:
+        span.end()
+        provider.shutdown()
+
+
 def test_one_request_is_one_trace_across_every_process(traced_mesh: Mesh,
                                                        receiver: Receiver) -> None:
-    """A streamed chat request carrying the client's `traceparent`: the client's span, then
-    the gateway's, admission's, prefill's and decode's, all under the client's trace id,
-    each parent link the request's path."""
+    """A streamed chat request sent inside a span of the client's (this process): the
+    client's span, then the gateway's, admission's, prefill's and decode's, all under the
+    client's trace id (five processes), each parent link the request's path."""
     prompt = "trace this request across the mesh " * 12
+    spans_of = _client_span(receiver)
+    client_trace, client_span, carrier = next(spans_of)
     status, headers, body = _post(traced_mesh, "/v1/chat/completions", {
         "model": "tiny", "max_tokens": 6, "temperature": 0, "stream": True,
         "messages": [{"role": "user", "content": prompt}]},
-        {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "X-Request-Id": "client-42"})
+        {**carrier, "X-Request-Id": "client-42"})
+    next(spans_of, None)  # the client's span ends and is exported
     assert status == 200, body
     assert headers.get("X-Request-Id") == "client-42"  # echoed
     assert b"data: [DONE]" in body
 
-    names = {"POST /v1/chat/completions", "admission.request", "admission.reserve",
+    names = {"client.request", "POST /v1/chat/completions", "admission.request",
+             "admission.reserve",
              "admission.dispatch", "prefill.job", "prefill.queue", "prefill.chunk",
              "kv.transfer", "decode.request", "decode.kv_wait", "decode.generate"}
-    spans = receiver.wait(CLIENT_TRACE, names)
-    assert {s.service for s in spans} == set(SERVICES)
+    spans = receiver.wait(client_trace, names)
+    assert {s.service for s in spans} == {CLIENT, *SERVICES}
+    client = _one(spans, "client.request")
+    assert (client.service, client.span_id, client.parent) == (CLIENT, client_span, "")
     gw = _one(spans, "POST /v1/chat/completions")
     adm = _one(spans, "admission.request")
     reserve, dispatch = _one(spans, "admission.reserve"), _one(spans, "admission.dispatch")
     job, dec = _one(spans, "prefill.job"), _one(spans, "decode.request")
     by_id = {s.span_id: s for s in spans}
     # The request path, link by link (each span's service, and its parent).
-    assert (gw.service, gw.parent) == ("pdmesh-gateway", CLIENT_SPAN)  # the client's span
+    assert (gw.service, gw.parent) == ("pdmesh-gateway", client_span)  # the client's span
     assert (adm.service, adm.parent) == ("pdmesh-admission", gw.span_id)
     assert reserve.parent == adm.span_id and dispatch.parent == adm.span_id
     assert (dec.service, dec.parent) == ("pdmesh-decode", reserve.span_id)
@@ -194,7 +222,7 @@ def test_one_request_is_one_trace_across_every_process(traced_mesh: Mesh,
             assert s.parent == job.span_id, s
         if s.name in ("decode.kv_wait", "decode.generate"):
             assert s.parent == dec.span_id, s
-        assert s.parent in by_id or s is gw, f"{s.name}'s parent is not in the trace"
+        assert s.parent in by_id or s is client, f"{s.name}'s parent is not in the trace"
         assert not s.error, s
         assert s.start_ns <= s.end_ns, s
     # What each span says about the request.
@@ -221,7 +249,8 @@ def test_one_request_is_one_trace_across_every_process(traced_mesh: Mesh,
     assert dec.attrs["gen_ai.usage.output_tokens"] == 6 == gw.attrs["gen_ai.usage.output_tokens"]
     assert "first_token" in gw.events and "last_token" in gw.events
     # Nesting in time: the workers' spans lie within the gateway's.
-    assert gw.start_ns <= adm.start_ns and max(s.end_ns for s in spans) <= gw.end_ns + 50e6
+    assert client.start_ns <= gw.start_ns <= adm.start_ns
+    assert max(s.end_ns for s in spans if s is not client) <= gw.end_ns + 50e6
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(traced_mesh: Mesh,
@@ -245,7 +274,7 @@ def test_a_request_without_traceparent_starts_its_own_trace(traced_mesh: Mesh,
             assert time.monotonic() < deadline, "the gateway's span never came"
             time.sleep(0.1)
         root = roots[0]
-        assert root.parent == "" and root.trace_id not in before | {CLIENT_TRACE}
+        assert root.parent == "" and root.trace_id not in before
         spans = receiver.wait(root.trace_id, {"admission.request", "decode.request",
                                                "prefill.job"})
         assert {s.service for s in spans} == set(SERVICES)
