@@ -9,6 +9,7 @@ ones, is answered in the OpenAI shape.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import logging
@@ -38,6 +39,7 @@ from pdmesh.gateway.schema import (
     parse_completion,
     parse_detokenize,
     parse_tokenize,
+    structured_of,
 )
 from pdmesh.gateway.tenants import Tenant, TenantDirectory
 from pdmesh.gateway.text import TENANT_QUEUED_BODIES, TokenizerPool
@@ -45,6 +47,7 @@ from pdmesh.services import faults
 from pdmesh.services.admission.policy import context_rejection
 from pdmesh.services.admission.registry import CapacityRegistry
 from pdmesh.services.engine.checkpoint import load_tokenizer
+from pdmesh.services.engine.grammar import GrammarError, Grammars
 from pdmesh.services.engine.tokenizer import ChatTemplateError
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
@@ -84,6 +87,9 @@ class Gateway:
         self.tenants = TenantDirectory.load(cfg.tenants_file, cfg.salt_key)
         # The gateway tokenizes and detokenizes; it needs the tokenizer, not the weights.
         self.tokenizer, derived_name = load_tokenizer(cfg.model)
+        # Structured outputs: requests' grammars are compiled here first (a 400 before the
+        # mesh sees them); the workers compile their own.
+        self.grammars = Grammars(self.tokenizer)
         # Off the event loop, in a bounded pool shared fairly between tenants (text.py).
         self.tokenizers = TokenizerPool(self.tokenizer,
                                         budget=TENANT_QUEUED_BODIES * cfg.max_body_bytes)
@@ -292,8 +298,10 @@ class Gateway:
             body = parse_completion(await request.read())
             self._check_model(body)
             self._check_limits(body)
+            structured = await self._structured(body)
             ids = await self._prompt_ids(tenant, body)
-        return await self._generate(request, tenant, body, ids, chat=False)
+        return await self._generate(request, tenant, body, ids, chat=False,
+                                    structured=structured)
 
     def _check_limits(self, body: CompletionBody | ChatBody) -> None:
         """The checks that need the gateway's settings or the tokenizer."""
@@ -323,8 +331,10 @@ class Gateway:
             body = parse_chat(await request.read())
             self._check_model(body)
             self._check_limits(body)
+            structured = await self._structured(body)
             ids = await self._chat_ids(tenant, body.messages)
-        return await self._generate(request, tenant, body, ids, chat=True)
+        return await self._generate(request, tenant, body, ids, chat=True,
+                                    structured=structured)
 
     async def _chat_ids(self, tenant: Tenant, chat_messages: list[Any]) -> list[int]:
         messages = []
@@ -350,8 +360,22 @@ class Gateway:
         rest = context - prompt_len if context else cap
         return max(1, min(cap, rest), body.min_tokens)
 
+    async def _structured(self, body: CompletionBody | ChatBody) -> m.Structured | None:
+        """The request's structured-output constraint, compiled once here (off the event
+        loop: the grammar engine's vocabulary is built on the first) so that a grammar that
+        does not compile is a 400 before anything is sent."""
+        structured = structured_of(body)
+        if structured is not None:
+            try:
+                await asyncio.to_thread(self.grammars.check, structured)
+            except GrammarError as exc:
+                raise ApiError(400, str(exc), param="response_format"
+                               if body.response_format is not None
+                               else "structured_outputs") from None
+        return structured
+
     def sampling_for(self, body: CompletionBody | ChatBody, ids: list[int],
-                     seed: int) -> m.Sampling:
+                     seed: int, structured: m.Structured | None = None) -> m.Sampling:
         rep = 1.0 if body.repetition_penalty is None else body.repetition_penalty
         return m.Sampling(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -361,11 +385,12 @@ class Gateway:
             frequency_penalty=body.frequency_penalty or 0.0, min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
             logprobs=body.logprobs_k,
-            penalty_prompt_ids=sorted(set(ids)) if rep != 1.0 else [])
+            penalty_prompt_ids=sorted(set(ids)) if rep != 1.0 else [], structured=structured)
 
     async def _generate(self, request: web.Request, tenant: Tenant,
                         body: CompletionBody | ChatBody, ids: list[int],
-                        chat: bool) -> web.StreamResponse:
+                        chat: bool, structured: m.Structured | None = None
+                        ) -> web.StreamResponse:
         t0 = time.monotonic()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         request[MESH_REQUEST_ID] = rid
@@ -390,7 +415,8 @@ class Gateway:
                     request_id=rid, outcome=m.Outcome(code=over.reason, detail=over.message),
                     prompt_len=len(ids), max_tokens=max_tokens, limit=over.limit))
             headers = self.submit_headers(request.headers) if self.submit_headers else None
-            samplings = [self.sampling_for(body, ids, _seed_of(seed, i)) for i in range(n)]
+            samplings = [self.sampling_for(body, ids, _seed_of(seed, i), structured)
+                         for i in range(n)]
             rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
             limits = tenant.limits
             # One submit for every choice: admission reserves all of them or none.

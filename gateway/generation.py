@@ -262,11 +262,13 @@ class Generation:
         assert origin is not None
         done = list(c.delivered)
         sampling = origin.sampling
-        penalized = (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
-                     or sampling.frequency_penalty != 0.0)
+        # The sampler's counts (penalties) and grammar state (structured outputs) go on from
+        # the delivered tokens.
+        stateful = (sampling.repetition_penalty != 1.0 or sampling.presence_penalty != 0.0
+                    or sampling.frequency_penalty != 0.0 or sampling.structured is not None)
         sampling = msgspec.structs.replace(
             sampling, start_index=sampling.start_index + len(done),  # guard: resume-carries-state
-            prior_output_ids=[*sampling.prior_output_ids, *done] if penalized else [])
+            prior_output_ids=[*sampling.prior_output_ids, *done] if stateful else [])
         return m.SubmitRequest(
             request_id=f"{origin.request_id}-r{c.resumes}", tenant=req.tenant,
             cache_salt=req.cache_salt, prompt_ids=[*req.prompt_ids, *done],

@@ -8,11 +8,14 @@ otherwise refused with a clear 400, never silently ignored.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
 
 import msgspec
+
+from pdmesh.services.protocol import messages as m
 
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is certainly a mistake; context checks follow
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs (services/engine/sampling.py's too)
@@ -50,6 +53,30 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 MAX_STOP_TOKEN_IDS = 64
 
 
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's `response_format.json_schema` (what `beta.chat.completions.parse` sends)."""
+
+    name: str = ""
+    schema: Any = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json: Any = None  # a JSON schema (an object, or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark or GBNF
+    json_object: bool | None = None
+
+
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
     max_tokens: int | None = None
@@ -70,6 +97,9 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Known parameters the mesh does not implement: neutral values only.
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
@@ -287,6 +317,64 @@ def _check_common(body: _Common) -> None:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true",
                        param="stream_options")
+    if structured_of(body) is not None and body.ignore_eos:
+        raise ApiError(400, "ignore_eos cannot be combined with a structured output (its "
+                       "end is the grammar's)", param="ignore_eos")
+
+
+def structured_of(body: _Common) -> m.Structured | None:
+    """The request's structured-output constraint (None: free text), from
+    `response_format` or `structured_outputs`; 400 when the two disagree or one is
+    malformed. Whether the grammar compiles is checked by the gateway's `Grammars`."""
+    found: list[tuple[str, m.Structured]] = []
+    rf = body.response_format
+    if rf is not None:
+        if rf.type == "json_object":
+            found.append(("response_format", m.Structured(kind="json",
+                                                          spec='{"type": "object"}')))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or not isinstance(rf.json_schema.schema, dict):
+                raise ApiError(400, "response_format json_schema needs json_schema.schema, "
+                               "a JSON schema object", param="response_format")
+            found.append(("response_format", m.Structured(
+                kind="json", spec=_json_text(rf.json_schema.schema))))
+        elif rf.type != "text":
+            raise ApiError(400, f"response_format type {rf.type!r} is not one of text, "
+                           "json_object, json_schema", param="response_format")
+    so = body.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json), ("regex", so.regex),
+                                     ("choice", so.choice), ("grammar", so.grammar))
+                 if v is not None]
+        if so.json_object:
+            given.append(("json_object", '{"type": "object"}'))
+        if len(given) != 1:
+            raise ApiError(400, "structured_outputs takes exactly one of json, regex, "
+                           "choice, grammar, json_object", param="structured_outputs")
+        kind, value = given[0]
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise ApiError(400, "structured_outputs.json is not valid JSON",
+                                   param="structured_outputs") from None
+            if not isinstance(value, dict):
+                raise ApiError(400, "structured_outputs.json must be a JSON schema object",
+                               param="structured_outputs")
+            value = _json_text(value)
+        elif kind == "choice":
+            value = _json_text(value)
+        found.append(("structured_outputs", m.Structured(
+            kind="json" if kind == "json_object" else kind, spec=value)))
+    if len(found) > 1:
+        raise ApiError(400, "give response_format or structured_outputs, not both",
+                       param="structured_outputs")
+    return found[0][1] if found else None
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def stop_list(body: _Common) -> list[str]:

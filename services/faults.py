@@ -17,6 +17,8 @@ Faults (name: what happens):
 - `stale_epoch`, `foreign_reservation`: prefill's frames name another epoch / reservation.
 - `first_token_out_of_range`, `first_token_negative`: the commit carries a first token id
   outside the vocabulary (decode must fail only this request, not its whole batch).
+- `first_token_off_grammar`: the commit carries token 0 as the first token, in the
+  vocabulary but outside any structured output the tests ask for.
 - `corrupt_payload`, `corrupt_header`, `drop_frame`, `duplicate_frame`, `reorder_frames`,
   `commit_first` (the "done" arrives before the data), `truncate`, `reset`: data-plane
   faults on this request's KV frames.
@@ -59,7 +61,8 @@ REQUEST_FAULTS = "request_faults"
 
 DATA_PLANE = ("corrupt_payload", "corrupt_header", "drop_frame", "duplicate_frame",
               "reorder_frames", "commit_first", "truncate", "reset", "stall", "stale_epoch",
-              "foreign_reservation", "first_token_out_of_range", "first_token_negative")
+              "foreign_reservation", "first_token_out_of_range", "first_token_negative",
+              "first_token_off_grammar")
 CONTROL = ("bypass_admission", "stub_transfer", "silent_prefill", "prefill_reject",
            "slow_reserve")
 ALL = DATA_PLANE + CONTROL
@@ -187,6 +190,8 @@ class FaultySender:
             plan = dataclasses.replace(plan, first_token=1 << 40)
         elif fault == "first_token_negative":
             plan = dataclasses.replace(plan, first_token=-1)
+        elif fault == "first_token_off_grammar":
+            plan = dataclasses.replace(plan, first_token=0)
         frame_faults = data_plane_plan(fault, len(buffers), plan.page_bytes)
         if frame_faults is not None:
             self.inner.arm(plan.reservation_id, frame_faults)

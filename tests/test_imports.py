@@ -214,7 +214,7 @@ def test_no_import_cycles_hidden_in_functions() -> None:
 # lifecycle, tickets, capacity rules) and `kvstore.spec` (page arithmetic) are open to all.
 _OPEN = ("pdmesh.services.protocol", "pdmesh.kvstore.spec")
 _TORCH_FREE_ENGINE = ("pdmesh.services.engine.config", "pdmesh.services.engine.tokenizer",
-                      "pdmesh.services.engine.checkpoint")
+                      "pdmesh.services.engine.checkpoint", "pdmesh.services.engine.grammar")
 _WORKER_BASE = ("pdmesh.services.runtime", "pdmesh.services.engine", "pdmesh.kvstore",
                 "pdmesh.transports")
 _WORKER_DEPS = (*_WORKER_BASE, "pdmesh.services.faults")  # a role's serve() wires faults

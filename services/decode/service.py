@@ -322,7 +322,7 @@ class DecodeService(WorkerBase):
             return self._refuse(t, "bad_keys", m.Code.TICKET_INVALID, f"bad request keys: {exc}")
         try:
             sampler = Sampler.for_request(req.sampling, t.max_tokens,
-                                          self.model.tokenizer.eos_token_ids)
+                                          self.model.tokenizer.eos_token_ids, self.grammars)
         except ValueError as exc:  # the gateway validates; a bad Sampling still harms none
             return self._refuse(t, "refused", m.Code.REFUSED, f"bad sampling: {exc}")
         try:
@@ -376,6 +376,16 @@ class DecodeService(WorkerBase):
             await self.end(dreq, m.Outcome(
                 code=m.Code.TRANSFER_FAILED,
                 detail=f"first token id {result.first_token} outside 0..{vocab - 1}"))
+            return
+        constraint = dreq.sampler.constraint
+        if constraint is not None and not constraint.allowed()[  # guard: first-token-grammar
+                result.first_token]:
+            # A structured output's first token (prefill's) outside the request's grammar:
+            # the reply would not satisfy it, and the grammar state could not follow.
+            self.transfers.labels("bad_first_token").inc()
+            await self.end(dreq, m.Outcome(
+                code=m.Code.TRANSFER_FAILED, detail=f"first token id {result.first_token} "
+                "is outside the request's structured output"))
             return
         page = self.pool.spec.page_tokens
         remaining = result.num_tokens
@@ -438,8 +448,12 @@ class DecodeService(WorkerBase):
                      for r in batch]
             for r in batch:
                 r.pinned = True
+            step = asyncio.ensure_future(self.compute(self.engine.decode_step, slots))
+            await asyncio.sleep(0)  # the step is on the engine thread: meanwhile, ...
+            for r in batch:
+                r.sampler.prepare()  # ... the structured outputs' grammar masks
             try:
-                logits = await self.compute(self.engine.decode_step, slots)
+                logits = await step
             except Exception as exc:
                 log.exception("decode step failed")
                 logits = None

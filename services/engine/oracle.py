@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdmesh.services.engine.grammar import Grammars
 from pdmesh.services.engine.models import LoadedModel, load_model
 from pdmesh.services.engine.reference import ReferenceEngine
 from pdmesh.services.engine.sampling import Sampler, SamplingParams, TokenLogprobs
@@ -40,6 +41,7 @@ class ReferenceOracle:
         self.tokenizer = self.loaded.tokenizer
         self.engine = ReferenceEngine(self.loaded)
         self.max_context = self.loaded.config.max_context
+        self.grammars = Grammars(self.tokenizer, self.loaded.config.vocab_size)
 
     def prompt_ids(self, prompt: str, endpoint: str = "completions") -> list[int]:
         """The ids the gateway feeds the model for `prompt` sent to that endpoint."""
@@ -61,7 +63,8 @@ class ReferenceOracle:
         total = len(prompt) + max_tokens
         if total > self.max_context:
             raise ValueError(f"prompt + max_tokens = {total} > max_context {self.max_context}")
-        sampler = Sampler.for_request(sampling, max_tokens, self.tokenizer.eos_token_ids)
+        sampler = Sampler.for_request(sampling, max_tokens, self.tokenizer.eos_token_ids,
+                                      self.grammars)
         engine = self.engine
         cache = engine.new_cache(total)
         logits = engine.prefill(cache, prompt)

@@ -1,8 +1,9 @@
 """Sampling: greedy at temperature 0, otherwise seeded per request (reproducible).
 
 The logits processors follow vLLM's meaning and order: repetition, frequency and presence
-penalties first (greedy included), `min_tokens` masking of eos and `stop_token_ids`, then
-temperature, top-k, top-p and min-p. Logprobs are the raw model's (before any processor),
+penalties first (greedy included), a structured output's grammar mask (grammar.py),
+`min_tokens` masking of eos and `stop_token_ids` (unless the grammar allows nothing else),
+then temperature, top-k, top-p and min-p. Logprobs are the raw model's (before any processor),
 as vLLM's default `raw_logprobs`. Each step depends only on (logits, seed, token index,
 tokens generated so far), so the mesh and the reference engine agree token for token.
 """
@@ -14,9 +15,11 @@ import secrets
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from pdmesh.services.engine.grammar import Constraint, Grammars
 from pdmesh.services.protocol import messages as m
 
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's top_logprobs bound
@@ -94,9 +97,13 @@ class Sampler:
     (`start_index`, `prior_output_ids`) samples what the first workers would have.
     """
 
-    def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = ()
-                 ) -> None:
+    def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = (),
+                 constraint: Constraint | None = None) -> None:
         self.params = params
+        # A structured output's grammar state (None: unconstrained); it follows every token
+        # recorded, a resumed request's delivered ones already replayed into it.
+        self.constraint = constraint
+        self._allowed: Any = None  # the grammar's mask for the next token, once prepared
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator()
         self.eos = frozenset(eos_token_ids)
@@ -110,8 +117,17 @@ class Sampler:
 
     @classmethod
     def for_request(cls, sampling: m.Sampling, max_tokens: int,
-                    eos_token_ids: Iterable[int] = ()) -> Sampler:
-        return cls(SamplingParams.from_wire(sampling, max_tokens), eos_token_ids)
+                    eos_token_ids: Iterable[int] = (),
+                    grammars: Grammars | None = None) -> Sampler:
+        """The request's sampler; ValueError (grammar.GrammarError among them) for sampling
+        it cannot follow: a structured output needs the model's `grammars`."""
+        params = SamplingParams.from_wire(sampling, max_tokens)
+        constraint = None
+        if sampling.structured is not None:
+            if grammars is None:
+                raise ValueError("structured outputs are not served here")
+            constraint = grammars.constraint(sampling.structured, sampling.prior_output_ids)
+        return cls(params, eos_token_ids, constraint)
 
     def skip(self, n: int) -> None:
         """Account for `n` tokens sampled elsewhere whose ids do not matter here."""
@@ -120,6 +136,16 @@ class Sampler:
     def _record(self, token: int) -> None:
         self.index += 1
         self.counts[token] += 1
+        if self.constraint is not None:
+            self._allowed = None
+            self.constraint.advance(token)
+
+    def prepare(self) -> None:
+        """Compute the grammar's mask for the next token now (a no-op unconstrained): the
+        decode loop calls it while the engine thread runs the step, so that the mask costs
+        the batch nothing."""
+        if self.constraint is not None and self._allowed is None:
+            self._allowed = self.constraint.allowed()
 
     def accept(self, token: int) -> bool:
         """Note a generated token; True when it ends the generation: eos (unless
@@ -169,13 +195,29 @@ class Sampler:
                 ids = torch.tensor(list(self.counts), dtype=torch.long)
                 freq = torch.tensor(list(self.counts.values()), dtype=torch.float32)
                 logits[ids] -= p.frequency_penalty * freq + p.presence_penalty
+        if self.constraint is not None:
+            logits = self.constrain(logits)
         if self.index < p.min_tokens:
             banned = (set() if p.ignore_eos else set(self.eos)) | set(self.stop_ids)
             banned = {t for t in banned if 0 <= t < logits.shape[-1]}
             if banned:
-                logits = logits.clone()
-                logits[torch.tensor(sorted(banned), dtype=torch.long)] = -math.inf
+                held = logits.clone()
+                held[torch.tensor(sorted(banned), dtype=torch.long)] = -math.inf
+                if self.constraint is None or bool(torch.isfinite(held).any()):
+                    logits = held  # (a complete structured output may only end)
         return logits
+
+    def constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with every token the grammar does not allow now at -inf."""
+        assert self.constraint is not None
+        prepared, self._allowed = self._allowed, None
+        allowed = torch.from_numpy(prepared if prepared is not None
+                                   else self.constraint.allowed())
+        vocab = logits.shape[-1]
+        if allowed.shape[0] < vocab:  # logits over padding rows: never allowed
+            allowed = torch.cat([allowed, torch.zeros(vocab - allowed.shape[0],
+                                                      dtype=torch.bool)])
+        return logits.masked_fill(~allowed[:vocab], -math.inf)
 
     def _draw(self, logits: torch.Tensor) -> int:
         p = self.params

@@ -61,6 +61,7 @@ BENCH = {
     "prefix-cache": "pdmesh.loadtest.bench.prefix",
     "disagg": "pdmesh.loadtest.bench.disagg",
     "fairness": "pdmesh.loadtest.bench.fairness",
+    "structured": "pdmesh.loadtest.bench.structured",
 }
 PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak.run",
                "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.ops.natsauth",

@@ -40,6 +40,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from pdmesh.kvstore import KVPool, Lease, PoolExhaustedError, PrefixCache
 from pdmesh.kvstore.spec import pages_for
 from pdmesh.services import faults
+from pdmesh.services.engine.grammar import Grammars
 from pdmesh.services.engine.model import prefill_windows
 from pdmesh.services.engine.sampling import Sampler
 from pdmesh.services.prefill.scheduler import PrefillQueue
@@ -108,8 +109,9 @@ def release_pages(pool: KVPool, lease: Lease, pages: PagesReady, num_tokens: int
         pages.complete(first_token)
 
 
-def sampler_for(sampling: m.Sampling, max_tokens: int, eos_token_ids: Iterable[int]) -> Sampler:
-    return Sampler.for_request(sampling, max_tokens, eos_token_ids)
+def sampler_for(sampling: m.Sampling, max_tokens: int, eos_token_ids: Iterable[int],
+                grammars: Grammars | None = None) -> Sampler:
+    return Sampler.for_request(sampling, max_tokens, eos_token_ids, grammars)
 
 
 log = logging.getLogger("pdmesh.prefill")
@@ -520,7 +522,7 @@ class PrefillService(WorkerBase):
             return
         self.prefix_cache.insert(d.ticket.cache_salt, d.prompt_ids, lease)
         sampler = sampler_for(d.sampling, d.ticket.max_tokens,
-                              self.model.tokenizer.eos_token_ids)
+                              self.model.tokenizer.eos_token_ids, self.grammars)
         first = sampler.sample(logits)
         if d.sampling.logprobs is not None:  # flushed with the cache info below
             await self._tell(d, m.tokens_subject(job.request_id), m.FirstTokenLogprobs(

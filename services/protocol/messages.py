@@ -148,6 +148,20 @@ FINISHED_LENGTH: Final = Outcome(code=Code.LENGTH)
 # ---------------------------------------------------------------------------------------
 # Requests and tickets
 # ---------------------------------------------------------------------------------------
+# What a structured output may be constrained by (services/engine/grammar.py): a JSON
+# schema (`json`; any JSON object is the schema {"type": "object"}), a regular expression,
+# a JSON list of strings to choose from, or a Lark / GBNF grammar.
+STRUCTURED_KINDS: Final = ("json", "regex", "choice", "grammar")
+
+
+class Structured(msgspec.Struct, frozen=True, kw_only=True):
+    """A structured-output constraint: every token sampled for the request (prefill's first
+    and decode's) is masked to what `spec`, of `kind`, still allows."""
+
+    kind: str
+    spec: str
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     """How one request samples, carried to prefill (first token) and decode (the rest).
     Every field's default is its neutral value (services/engine/sampling.py applies them)."""
@@ -173,8 +187,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     # workers would have produced.
     start_index: int = 0
     # Those tokens, sent only when a penalty counts output tokens (presence, frequency,
-    # repetition): the sampler's counts start from them.
+    # repetition) or the output is structured: the sampler's counts, and its grammar's
+    # state, start from them.
     prior_output_ids: list[int] = []
+    structured: Structured | None = None
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):

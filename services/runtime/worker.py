@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdmesh.kvstore import KVPool, ScrubPolicy
 from pdmesh.services.engine.fingerprint import engine_fingerprint
+from pdmesh.services.engine.grammar import Grammars
 from pdmesh.services.engine.models import load_model
 from pdmesh.services.engine.runner import Engine, make_pool
 from pdmesh.services.protocol import messages as m
@@ -104,6 +105,9 @@ class WorkerBase:
                                       page_tokens=cfg.page_tokens,
                                       scrub=ScrubPolicy[cfg.scrub.upper()])
         self.engine = Engine(self.model, self.pool)
+        # Structured outputs: the grammar engine's view of the vocabulary, built on the
+        # first constrained request (prefill and decode mask alike: sampling.py).
+        self.grammars = Grammars(self.model.tokenizer, self.model.config.vocab_size)
         # What decides this worker's bits: admission pairs only equal ones (rolling upgrades).
         self.fingerprint = engine_fingerprint(self.model, self.engine, spec=cfg.model)
         model_context = self.model.config.max_context

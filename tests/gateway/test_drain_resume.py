@@ -26,11 +26,12 @@ from tests.support.scripted_mesh import DECODE, ScriptedMesh, gateways
 pytestmark = pytest.mark.mesh
 
 
-async def _stream(base: str, prompt: str, max_tokens: int) -> tuple[int, list[bytes]]:
+async def _stream(base: str, prompt: str, max_tokens: int,
+                  **fields: object) -> tuple[int, list[bytes]]:
     async with aiohttp.ClientSession() as http, http.post(
             f"{base}/v1/completions", json={"model": "tiny", "prompt": prompt,
                                             "max_tokens": max_tokens, "stream": True,
-                                            "temperature": 0},
+                                            "temperature": 0, **fields},
             headers={"Authorization": "Bearer sk-dev-bob"}) as resp:
         return resp.status, [line async for line in resp.content if line.startswith(b"data:")]
 
@@ -131,6 +132,34 @@ async def test_a_lost_workers_choice_resumes_from_the_tokens_it_delivered(
         assert metrics[("pdmesh:requests_migrated_total", frozenset({
             ("model_name", "tiny"), ("from_role", "decode"),
             ("cause", "worker_drained")}))] == 1
+
+
+async def test_a_structured_choice_resumes_with_its_grammar_state(
+        nats_server: NatsServer) -> None:
+    """A structured output resumed after "abc": the resubmission carries the same grammar
+    and the delivered tokens to replay into it (prior_output_ids), so the new decode masks
+    from where the lost one was, not from the grammar's start."""
+    async def script(mesh: ScriptedMesh, rid: str) -> None:
+        if not rid.endswith("-r1"):
+            for seq, ch in enumerate("abc"):
+                await mesh.send(rid, m.TokenEvent(request_id=rid, seq=seq,
+                                                  token_ids=[ord(ch)]))
+            await mesh.send(rid, m.StreamFailed(request_id=rid, outcome=m.Outcome(
+                code=m.Code.WORKER_LOST, worker="dec-gone", detail="lost")))
+            return
+        await mesh.send(rid, m.TokenEvent(request_id=rid, seq=0, token_ids=[ord("d")],
+                                          finish=m.FINISHED_LENGTH))
+
+    async with gateways(nats_server.url) as start:
+        run = await start(script)
+        status, lines = await _stream(run.base, "hi", 4,
+                                      structured_outputs={"regex": "[a-z]{4}"})
+        assert status == 200 and _letters(lines) == "abcd", lines[-2:]
+        original, again = run.mesh.submits
+        assert original.sampling.structured == m.Structured(kind="regex", spec="[a-z]{4}")
+        assert again.sampling.structured == original.sampling.structured
+        assert again.sampling.prior_output_ids == [ord(c) for c in "abc"]
+        assert again.sampling.start_index == 3
 
 
 async def test_a_lost_worker_heard_again_is_no_longer_avoided(

@@ -609,6 +609,11 @@ MUTATIONS = [
               "test_faulty_transfer_fails_only_that_request[first_token_out_of_range]",
               ISO + "test_data_plane_faults.py::"
               "test_faulty_transfer_fails_only_that_request[first_token_negative]")),
+    Mutation("first-token-grammar", "a structured output's first token is checked against "
+             "its grammar before any batch",
+             (Condition("first-token-grammar", "False"),),
+             (ISO + "test_data_plane_faults.py::"
+              "test_first_token_outside_the_grammar_fails_only_that_request",)),
     Mutation("tail-zero", "no earlier tenant's KV leaves prefill in a last page's tail",
              (Delete("tail-zero"),),
              ("tests/prefill/test_tail.py",)),

@@ -67,3 +67,21 @@ def test_streamed_reply_reports_a_transfer_failure_as_an_error_event(mesh: Mesh)
     # No text was streamed before the error: the KV never verified, decode never ran.
     assert all("error" in json.loads(e) or not json.loads(e)["choices"][0].get("text")
                for e in events)
+
+
+def test_first_token_outside_the_grammar_fails_only_that_request(mesh: Mesh) -> None:
+    """A structured output whose commit carries a first token the request's grammar does not
+    allow (a misbehaving prefill): decode fails that request at once, on evidence, and
+    generates nothing from it; the next constrained request is exactly the oracle's."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "structured_outputs": {"choice": ["alpha", "beta"]}}
+    before = counter(worker_stats(mesh.nats_url), m.Role.DECODE, "generated_tokens")
+    t0 = time.monotonic()
+    status, reply = mesh.http("POST", "/v1/completions", body,
+                              headers={"X-Pdmesh-Fault": "first_token_off_grammar"})
+    assert status == 502 and reply["error"]["code"] == "transfer_failed", reply
+    assert "structured output" in reply["error"]["message"], reply
+    assert time.monotonic() - t0 < 3.0
+    assert counter(worker_stats(mesh.nats_url), m.Role.DECODE, "generated_tokens") == before
+    status, reply = mesh.http("POST", "/v1/completions", body)
+    assert status == 200 and reply["choices"][0]["text"] in ("alpha", "beta"), reply
