@@ -43,6 +43,7 @@ from pdmesh.gateway.schema import (
 )
 from pdmesh.gateway.tenants import Tenant, TenantDirectory
 from pdmesh.gateway.text import TENANT_QUEUED_BODIES, TokenizerPool
+from pdmesh.gateway.tools import ToolPlan, plan_of, render_messages
 from pdmesh.services import faults
 from pdmesh.services.admission.policy import context_rejection
 from pdmesh.services.admission.registry import CapacityRegistry
@@ -331,20 +332,41 @@ class Gateway:
             body = parse_chat(await request.read())
             self._check_model(body)
             self._check_limits(body)
-            structured = await self._structured(body)
-            ids = await self._chat_ids(tenant, body.messages)
+            tools = self._tool_plan(body)
+            structured = await self._structured(body, tools)
+            ids = await self._chat_ids(tenant, body.messages, tools)
         return await self._generate(request, tenant, body, ids, chat=True,
-                                    structured=structured)
+                                    structured=structured, tools=tools)
 
-    async def _chat_ids(self, tenant: Tenant, chat_messages: list[Any]) -> list[int]:
-        messages = []
+    def _tool_plan(self, body: ChatBody) -> ToolPlan | None:
+        try:
+            plan = plan_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc)
+                           else "tools") from None
+        if plan is not None and plan.forced and structured_of(body) is not None:
+            raise ApiError(400, "a required or named tool_choice constrains the reply "
+                           "itself: it cannot be combined with a structured output",
+                           param="tool_choice")
+        return plan
+
+    async def _chat_ids(self, tenant: Tenant, chat_messages: list[Any],
+                        tools: ToolPlan | None = None) -> list[int]:
+        messages: list[dict[str, Any]] = []
         for msg in chat_messages:
             content = msg.content if isinstance(msg.content, str) else "".join(
                 p.text for p in (msg.content or []))
-            messages.append({"role": msg.role, "content": content})
+            entry: dict[str, Any] = {"role": msg.role, "content": content}
+            if msg.tool_calls:
+                entry["tool_calls"] = msg.tool_calls
+            messages.append(entry)
+        renders = bool(getattr(self.tokenizer, "renders_tools", False))
+        messages = render_messages(messages, tools, renders)
+        template_tools = ([{"type": "function", "function": f} for f in tools.functions]
+                          if tools is not None and renders else None)
         # tiny: plain "<|role|>" lines; checkpoints: their own template (gateway/README)
         try:
-            return await self.tokenizers.chat(tenant.tenant_id, messages)
+            return await self.tokenizers.chat(tenant.tenant_id, messages, template_tools)
         except ChatTemplateError as exc:
             raise ApiError(400, f"the model's chat template refused the messages: {exc}",
                            param="messages") from None
@@ -360,18 +382,19 @@ class Gateway:
         rest = context - prompt_len if context else cap
         return max(1, min(cap, rest), body.min_tokens)
 
-    async def _structured(self, body: CompletionBody | ChatBody) -> m.Structured | None:
-        """The request's structured-output constraint, compiled once here (off the event
-        loop: the grammar engine's vocabulary is built on the first) so that a grammar that
-        does not compile is a 400 before anything is sent."""
-        structured = structured_of(body)
+    async def _structured(self, body: CompletionBody | ChatBody,
+                          tools: ToolPlan | None = None) -> m.Structured | None:
+        """The request's structured-output constraint (or a required tool call's), compiled
+        once here (off the event loop: the grammar engine's vocabulary is built on the
+        first) so that a grammar that does not compile is a 400 before anything is sent."""
+        structured = structured_of(body) or (tools.structured() if tools else None)
         if structured is not None:
             try:
                 await asyncio.to_thread(self.grammars.check, structured)
             except GrammarError as exc:
                 raise ApiError(400, str(exc), param="response_format"
-                               if body.response_format is not None
-                               else "structured_outputs") from None
+                               if body.response_format is not None else "structured_outputs"
+                               if body.structured_outputs is not None else "tools") from None
         return structured
 
     def sampling_for(self, body: CompletionBody | ChatBody, ids: list[int],
@@ -389,8 +412,8 @@ class Gateway:
 
     async def _generate(self, request: web.Request, tenant: Tenant,
                         body: CompletionBody | ChatBody, ids: list[int],
-                        chat: bool, structured: m.Structured | None = None
-                        ) -> web.StreamResponse:
+                        chat: bool, structured: m.Structured | None = None,
+                        tools: ToolPlan | None = None) -> web.StreamResponse:
         t0 = time.monotonic()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         request[MESH_REQUEST_ID] = rid
@@ -439,7 +462,7 @@ class Gateway:
                     metrics.queue_time.labels(self.model_name).observe(
                         queued if queued is not None else time.monotonic() - t0)
                     gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0,
-                                     req)
+                                     req, tools)
                     try:
                         outcome = await gen.run(subs)
                     finally:

@@ -46,6 +46,7 @@ from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.schema import ApiError, ChatBody, CompletionBody, stop_list
 from pdmesh.gateway.tenants import Tenant
 from pdmesh.gateway.text import TextStream
+from pdmesh.gateway.tools import ToolPlan, ToolStream, parse_reply
 from pdmesh.services.engine.tokenizer import Tokenizer
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth
@@ -103,6 +104,7 @@ class Choice:
     resumes: int = 0
     lost: dict[str, float] = field(default_factory=dict)  # workers this choice lost: when
     lost_at: float | None = None  # when the last loss was noticed (until its next token)
+    tools: ToolStream | None = None  # a streamed reply with tools: what may be shown yet
 
 
 class Generation:
@@ -110,8 +112,9 @@ class Generation:
 
     def __init__(self, gw: Serving, request: web.Request, tenant: Tenant,
                  body: CompletionBody | ChatBody, rid: str, prompt_len: int, chat: bool,
-                 t0: float, submit: m.SubmitRequest) -> None:
+                 t0: float, submit: m.SubmitRequest, tools: ToolPlan | None = None) -> None:
         self.gw, self.request, self.tenant, self.body = gw, request, tenant, body
+        self.tools = tools  # the request's tool plan (chat only; gateway/tools.py)
         self.rid, self.prompt_len, self.chat, self.t0 = rid, prompt_len, chat, t0
         self.submit = submit  # what a resume submits again
         self.resumed = contextlib.AsyncExitStack()  # the resumed choices' submissions
@@ -147,7 +150,9 @@ class Generation:
         req = self.submit
         origins = [m.SubmitChoice(request_id=req.request_id, stream_key=req.stream_key,
                                   sampling=req.sampling), *req.choices]
-        self.choices = [Choice(i, sub, TextStream(gw.tokenizer, stops), origin=origin)
+        self.choices = [Choice(i, sub, TextStream(gw.tokenizer, stops), origin=origin,
+                               tools=ToolStream(self.tools) if self.tools and self.body.stream
+                               else None)
                         for i, (sub, origin) in enumerate(zip(subs, origins, strict=True))]
         async with self.resumed:
             return await self._run()
@@ -324,13 +329,41 @@ class Generation:
                 if c.finish == "stop" and last not in gw.tokenizer.eos_token_ids:
                     c.stop_reason = last  # one of stop_token_ids, as vLLM reports it
             if self.body.stream:
-                if delta or c.finish or (self.want_logprobs and c.logprobs):
+                if c.tools is not None:  # it sends what may be shown, and the calls
+                    if await self._tool_chunks(c, delta):
+                        return
+                elif delta or c.finish or (self.want_logprobs and c.logprobs):
                     await self._send(self._chunk(c, delta, c.finish, c.logprobs))
                     c.logprobs = []
             else:
                 c.parts.append(delta)
             if c.finish:
                 return
+
+    async def _tool_chunks(self, c: Choice, delta: str) -> bool:
+        """A streamed reply with tools: send what may be shown of `delta` now; at its end,
+        the tool calls, one delta each, and finish `tool_calls`. True when the calls went
+        out (the choice is done)."""
+        assert c.tools is not None
+        shown = c.tools.push(delta)
+        calls: list[dict[str, Any]] = []
+        if c.finish:
+            rest, calls = c.tools.finish()
+            shown += rest
+        if not calls:
+            if shown or c.finish or (self.want_logprobs and c.logprobs):
+                await self._send(self._chunk(c, shown, c.finish, c.logprobs))
+                c.logprobs = []
+            return bool(c.finish)
+        if shown or (self.want_logprobs and c.logprobs):
+            await self._send(self._chunk(c, shown, None, c.logprobs))
+            c.logprobs = []
+        if c.finish == "stop":
+            c.finish = "tool_calls"
+        for i, call in enumerate(calls):
+            await self._send(self._chunk(c, {"tool_calls": [{"index": i, **call}]},
+                                         c.finish if i == len(calls) - 1 else None, []))
+        return True
 
     def _observe_finished(self) -> None:
         gw = self.gw
@@ -390,7 +423,15 @@ class Generation:
             text = "".join(c.parts)
             lp = self._logprobs(c.logprobs) if self.want_logprobs else None
             if self.chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    content, calls = parse_reply(text, self.tools)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": calls}
+                        if c.finish == "stop":
+                            c.finish = "tool_calls"
+                choice = {"index": c.index, "message": message,
                           "finish_reason": c.finish or "length", "logprobs": lp}
             else:
                 choice = {"index": c.index, "text": text, "finish_reason": c.finish or "length",

@@ -132,8 +132,21 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = None  # known and unsupported: refused when present
-    function_call: Any = None
+    tool_calls: Any = None  # an assistant's earlier calls (gateway/tools.py renders them)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: Any = None  # the legacy form: refused when present
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: Any = None  # a JSON schema object
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: str = "function"
+    function: FunctionDef
 
 
 class ChatBody(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -143,6 +156,9 @@ class ChatBody(_Common, forbid_unknown_fields=True, kw_only=True):
     top_logprobs: int | None = None  # ... and this many alternatives each
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ToolDef] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
 
     @property
     def logprobs_k(self) -> int | None:
@@ -242,9 +258,26 @@ def _check_messages(messages: list[ChatMessage]) -> None:
             raise ApiError(400, "only text content parts are supported", param="messages")
         if msg.content is None and msg.role != "assistant":
             raise ApiError(400, f"a {msg.role!r} message needs 'content'", param="messages")
-        if msg.tool_calls or msg.function_call:
-            raise ApiError(400, "tool and function calls are not supported",
+        if msg.function_call:
+            raise ApiError(400, "function_call messages are not supported (use tool_calls)",
                            param="messages")
+        if msg.tool_calls is not None:
+            _check_tool_calls(msg)
+        if msg.role == "tool" and msg.content is None:
+            raise ApiError(400, "a 'tool' message needs 'content'", param="messages")
+
+
+def _check_tool_calls(msg: ChatMessage) -> None:
+    """An assistant message's earlier tool calls, as OpenAI returns them."""
+    calls = msg.tool_calls
+    ok = msg.role == "assistant" and isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), str | dict) for c in calls)
+    if not ok:
+        raise ApiError(400, "tool_calls must be an assistant message's list of {'id', "
+                       "'type': 'function', 'function': {'name', 'arguments'}}",
+                       param="messages")
 
 
 def parse_chat(raw: bytes) -> ChatBody:

@@ -65,11 +65,13 @@ class TokenizerPool:
     async def decode(self, tenant_id: str, ids: list[int]) -> str:
         return await self.run(tenant_id, len(ids), self._decode, ids)
 
-    async def chat(self, tenant_id: str, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(self, tenant_id: str, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat template (raises ChatTemplateError), then the rendered text's ids."""
-        size = sum(len(msg["content"]) for msg in messages)
+        size = sum(len(msg["content"]) for msg in messages) + len(str(tools or ""))
         return await self.run(tenant_id, size, lambda: self._encode(
-            self.tokenizer.apply_chat_template(messages)))
+            self.tokenizer.apply_chat_template(messages, tools=tools) if tools
+            else self.tokenizer.apply_chat_template(messages)))
 
     async def run(self, tenant_id: str, size: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in a tokenizer thread, counted against the tenant's share."""

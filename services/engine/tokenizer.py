@@ -28,7 +28,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> str: ...
+    def apply_chat_template(self, messages: list[dict],
+                            tools: list[dict] | None = None) -> str: ...
 
 
 def chatml(messages: list[dict]) -> str:
@@ -61,7 +62,8 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict],
+                            tools: list[dict] | None = None) -> str:
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         return "".join(parts) + "<|assistant|>\n"
 
@@ -106,8 +108,10 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.core.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict],
+                            tools: list[dict] | None = None) -> str:
         """Render the checkpoint's template (compiled once); ChatML when it has none.
+        `tools` (OpenAI's tool objects) go to a template that renders them (`renders_tools`).
 
         A template that refuses the conversation (many raise on purpose, e.g. "roles must
         alternate") raises ChatTemplateError: serving a different prompt than the checkpoint
@@ -118,9 +122,15 @@ class HFTokenizer:
             return chatml(messages)
         try:
             return template.render(messages=messages, add_generation_prompt=True,
-                                   bos_token=self.bos_token, eos_token=self.eos_token)
+                                   bos_token=self.bos_token, eos_token=self.eos_token,
+                                   tools=tools)
         except Exception as exc:  # noqa: BLE001 - any refusal by the template is the client's
             raise ChatTemplateError(str(exc)) from None
+
+    @property
+    def renders_tools(self) -> bool:
+        """The checkpoint's template renders a `tools` variable itself."""
+        return "tools" in (self.chat_template or "")
 
     def _compiled(self):
         if not self.chat_template:

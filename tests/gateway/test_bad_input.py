@@ -149,12 +149,37 @@ CASES = [
          param="messages"),
     Case("chat part without type", msgs({"role": "user", "content": [{"text": "x"}]}),
          path=CHAT, param="messages"),
-    Case("chat tool calls", msgs({"role": "user", "content": "x"}, {
-        "role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}),
+    Case("chat tool calls not a list", msgs({"role": "user", "content": "x"}, {
+        "role": "assistant", "content": None, "tool_calls": {"function": "f"}}),
          path=CHAT, param="messages"),
-    Case("chat tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+    Case("chat tool calls from the user", msgs({"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}),
+         path=CHAT, param="messages"),
+    Case("chat legacy function_call", msgs({"role": "assistant", "content": None,
+                                            "function_call": {"name": "f"}}),
+         path=CHAT, param="messages"),
+    Case("chat tool type", chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]),
          path=CHAT, param="tools"),
+    Case("chat tool bad name", chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+         path=CHAT, param="tools"),
+    Case("chat tool parameters not a schema", chat(tools=[
+        {"type": "function", "function": {"name": "f", "parameters": [1]}}]),
+         path=CHAT, param="tools"),
+    Case("chat tool names repeat", chat(tools=[{"type": "function", "function": {"name": "f"}},
+                                               {"type": "function", "function": {"name": "f"}}]),
+         path=CHAT, param="tools"),
+    Case("chat tool_choice names no tool", chat(
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}}),
+         path=CHAT, param="tool_choice"),
+    Case("chat tool_choice without tools", chat(tool_choice="required"),
+         path=CHAT, param="tool_choice"),
+    Case("chat tool_choice unknown", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                          tool_choice="sometimes"),
+         path=CHAT, param="tool_choice"),
+    Case("chat required tool and response_format", chat(
+        tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+        response_format={"type": "json_object"}), path=CHAT, param="tool_choice"),
     Case("chat max_completion_tokens zero", chat(max_tokens=None, max_completion_tokens=0),
          path=CHAT),
     Case("chat token limits disagree", chat(max_tokens=4, max_completion_tokens=8),
