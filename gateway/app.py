@@ -249,7 +249,7 @@ class Gateway:
         """vLLM's /tokenize: `prompt` (as /v1/completions) or `messages` (as chat, with the
         chat template) -> {count, max_model_len, tokens}."""
         tenant = self._auth(request)
-        body = parse_tokenize(await request.read())
+        body = parse_tokenize(await request.read(), self._lenient())
         self._check_model(body)
         if body.messages is not None:
             ids = await self._chat_ids(tenant, body.messages)
@@ -296,7 +296,9 @@ class Gateway:
         self._refuse_if_draining()
         tenant = self._auth(request)
         with self._validating(tenant):
-            body = parse_completion(await request.read())
+            ignored = self._lenient()
+            body = parse_completion(await request.read(), ignored)
+            self._log_ignored(ignored, request)
             self._check_model(body)
             self._check_limits(body)
             structured = await self._structured(body)
@@ -329,7 +331,9 @@ class Gateway:
         self._refuse_if_draining()
         tenant = self._auth(request)
         with self._validating(tenant):
-            body = parse_chat(await request.read())
+            ignored = self._lenient()
+            body = parse_chat(await request.read(), ignored)
+            self._log_ignored(ignored, request)
             self._check_model(body)
             self._check_limits(body)
             tools = self._tool_plan(body)
@@ -337,6 +341,18 @@ class Gateway:
             ids = await self._chat_ids(tenant, body.messages, tools)
         return await self._generate(request, tenant, body, ids, chat=True,
                                     structured=structured, tools=tools)
+
+    def _lenient(self) -> list[str] | None:
+        """Where a lenient parse lists the fields it dropped (None: unknown fields are a
+        400, the default)."""
+        return [] if self.cfg.ignore_unknown_fields else None
+
+    @staticmethod
+    def _log_ignored(ignored: list[str] | None, request: web.Request) -> None:
+        if ignored:  # names only (never values), bounded
+            names = ", ".join(n[:64].encode("ascii", "replace").decode() for n in ignored[:16])
+            log.warning("gateway: %s ignored unknown request fields: %s%s", request.path,
+                        names, " ..." if len(ignored) > 16 else "")
 
     def _tool_plan(self, body: ChatBody) -> ToolPlan | None:
         try:

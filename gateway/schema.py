@@ -186,7 +186,14 @@ _tokenize_decoder = msgspec.json.Decoder(TokenizeBody)
 _detokenize_decoder = msgspec.json.Decoder(DetokenizeBody)
 
 
-def _decode(decoder: msgspec.json.Decoder, raw: bytes) -> Any:
+MAX_IGNORED_FIELDS = 64  # unknown fields one lenient parse drops before it gives up
+_UNKNOWN = re.compile(r"^Object contains unknown field `([^`]*)`(?: - at `\$(.*)`)?$")
+
+
+def _decode(decoder: msgspec.json.Decoder, raw: bytes, lenient: list[str] | None = None
+            ) -> Any:
+    """`raw` as the decoder's type. `lenient`: drop unknown fields instead of refusing them
+    (`--ignore-unknown-fields`), their paths appended to the list."""
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -195,6 +202,8 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes) -> Any:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:
         msg = str(exc)
+        if lenient is not None and _UNKNOWN.match(msg):
+            return _decode_lenient(decoder.type, raw, lenient)
         param = _param_of(msg)
         if msg.startswith("Object contains unknown field") and "at `$" not in msg:
             raise ApiError(400, f"Unrecognized request argument supplied: {param}",
@@ -202,6 +211,40 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes) -> Any:
         raise ApiError(400, f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _decode_lenient(typ: Any, raw: bytes, ignored: list[str]) -> Any:
+    """Decode generically, then drop each unknown field msgspec names (at any depth) and
+    convert again; other errors are answered as in a strict parse."""
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    for _ in range(MAX_IGNORED_FIELDS):
+        try:
+            return msgspec.convert(obj, typ)
+        except msgspec.ValidationError as exc:
+            found = _UNKNOWN.match(str(exc))
+            if not found:
+                raise ApiError(400, f"invalid request: {exc}", param=_param_of(str(exc))
+                               ) from None
+            name, path = found.group(1), found.group(2) or ""
+            target = _at(obj, path)
+            if not isinstance(target, dict) or name not in target:
+                raise ApiError(400, f"invalid request: {exc}") from None
+            del target[name]
+            ignored.append(f"{path.lstrip('.')}.{name}" if path else name)
+    raise ApiError(400, f"more than {MAX_IGNORED_FIELDS} unknown fields")
+
+
+def _at(obj: Any, path: str) -> Any:
+    """The value at a msgspec error path (`.tools[0].function`) inside `obj`."""
+    for key, index in re.findall(r"\.([^.\[]+)|\[(\d+)\]", path):
+        try:
+            obj = obj[key] if key else obj[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return obj
 
 
 def _param_of(msg: str) -> str | None:
@@ -212,8 +255,8 @@ def _param_of(msg: str) -> str | None:
     return found.group(1) if found else None
 
 
-def parse_completion(raw: bytes) -> CompletionBody:
-    body: CompletionBody = _decode(_completion_decoder, raw)
+def parse_completion(raw: bytes, lenient: list[str] | None = None) -> CompletionBody:
+    body: CompletionBody = _decode(_completion_decoder, raw, lenient)
     if isinstance(body.prompt, list):
         strs = [p for p in body.prompt if isinstance(p, str)]
         if strs and (len(strs) != len(body.prompt) or len(strs) != 1):
@@ -234,8 +277,8 @@ def parse_completion(raw: bytes) -> CompletionBody:
     return body
 
 
-def parse_tokenize(raw: bytes) -> TokenizeBody:
-    body: TokenizeBody = _decode(_tokenize_decoder, raw)
+def parse_tokenize(raw: bytes, lenient: list[str] | None = None) -> TokenizeBody:
+    body: TokenizeBody = _decode(_tokenize_decoder, raw, lenient)
     if body.messages is not None:
         _check_messages(body.messages)
         if not body.add_generation_prompt:
@@ -280,8 +323,8 @@ def _check_tool_calls(msg: ChatMessage) -> None:
                        param="messages")
 
 
-def parse_chat(raw: bytes) -> ChatBody:
-    body: ChatBody = _decode(_chat_decoder, raw)
+def parse_chat(raw: bytes, lenient: list[str] | None = None) -> ChatBody:
+    body: ChatBody = _decode(_chat_decoder, raw, lenient)
     _check_messages(body.messages)
     if body.max_completion_tokens is not None:
         if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:

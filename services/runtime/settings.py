@@ -313,6 +313,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_n", "--max-n", "PDMESH_MAX_N", int, 8,
             "Gateway: largest `n` (choices per request) accepted; each choice is its own "
             "request through the mesh.", (GATEWAY,), check=positive, up=True),
+    Setting("ignore_unknown_fields", "--ignore-unknown-fields", "PDMESH_IGNORE_UNKNOWN_FIELDS",
+            bool, False, "Gateway: ignore request fields it does not know (logged by name, as "
+            "vLLM does) instead of answering 400 naming the field; for clients written "
+            "against another server's extensions.", (GATEWAY,), up=True),
     Setting("faults", "--faults", "PDMESH_FAULTS", str, "",
             "Test-only fault injection: `request_faults` honours the X-Pdmesh-Fault request "
             "header (names in services/faults.py). Refused unless PDMESH_ALLOW_FAULTS=1.",
