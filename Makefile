@@ -62,7 +62,7 @@ test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
 	  tests/gateway/test_long_context.py tests/prefill/test_long_prompts.py \
 	  tests/gateway/test_liveness_mesh.py tests/loadtest/test_bench_disagg.py \
-	  tests/loadtest/test_bench_fairness.py $(ARGS)
+	  tests/loadtest/test_bench_fairness.py tests/gateway/test_structured_smollm2.py $(ARGS)
 
 ## make test-chaos: pdmesh soak for 3 minutes against a 2-prefill 2-decode mesh while a
 ## seeded killer SIGTERMs or SIGKILLs a worker every 15-30 s and `pdmesh up` restarts it:

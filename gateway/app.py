@@ -35,6 +35,7 @@ from pdmesh.gateway.schema import (
     ApiError,
     ChatBody,
     CompletionBody,
+    logit_bias_of,
     parse_chat,
     parse_completion,
     parse_detokenize,
@@ -127,6 +128,11 @@ class Gateway:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version_info)
+        # vLLM's (SageMaker's) liveness ping, and its server load (a key needed: a count of
+        # every tenant's requests is no one tenant's to read without one).
+        app.router.add_get("/ping", self.ping)
+        app.router.add_post("/ping", self.ping)
+        app.router.add_get("/load", self.load)
 
     async def start(self) -> None:
         self.rt.app._client_max_size = self.cfg.max_body_bytes
@@ -242,6 +248,15 @@ class Gateway:
             "root": self.cfg.model, "parent": None, "max_model_len": self.served_context()}
             for name in self.served_names]})
 
+    async def ping(self, request: web.Request) -> web.Response:
+        """200 while the gateway takes requests (as /health), else 503."""
+        return await self.rt._health_public(request)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """vLLM's /load: how many requests this gateway is serving now."""
+        self._auth(request)
+        return json_response({"server_load": self.generating})
+
     async def version_info(self, _request: web.Request) -> web.Response:
         return json_response({"version": self.version})
 
@@ -312,6 +327,7 @@ class Gateway:
             raise ApiError(400, f"n must be at most {self.cfg.max_n} (--max-n)", param="n")
         if body.stop_token_ids:
             self._check_ids(body.stop_token_ids, "stop_token_ids")
+        self._logit_bias(body)
 
     async def _prompt_ids(self, tenant: Tenant, body: CompletionBody) -> list[int]:
         prompt = body.prompt
@@ -413,6 +429,14 @@ class Gateway:
                                if body.structured_outputs is not None else "tools") from None
         return structured
 
+    def _logit_bias(self, body: CompletionBody | ChatBody) -> dict[int, float]:
+        bias = logit_bias_of(body)
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in bias):
+            raise ApiError(400, f"logit_bias token ids must be in 0..{vocab - 1}",
+                           param="logit_bias")
+        return bias
+
     def sampling_for(self, body: CompletionBody | ChatBody, ids: list[int],
                      seed: int, structured: m.Structured | None = None) -> m.Sampling:
         rep = 1.0 if body.repetition_penalty is None else body.repetition_penalty
@@ -424,7 +448,8 @@ class Gateway:
             frequency_penalty=body.frequency_penalty or 0.0, min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
             logprobs=body.logprobs_k,
-            penalty_prompt_ids=sorted(set(ids)) if rep != 1.0 else [], structured=structured)
+            penalty_prompt_ids=sorted(set(ids)) if rep != 1.0 else [], structured=structured,
+            logit_bias=self._logit_bias(body))
 
     async def _generate(self, request: web.Request, tenant: Tenant,
                         body: CompletionBody | ChatBody, ids: list[int],

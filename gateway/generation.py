@@ -120,6 +120,9 @@ class Generation:
         self.resumed = contextlib.AsyncExitStack()  # the resumed choices' submissions
         self.created = int(time.time())
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+        self.continuous_usage = self.include_usage and bool(
+            body.stream_options and body.stream_options.continuous_usage_stats)
         self.want_logprobs = body.logprobs_k is not None
         self.response: web.StreamResponse = web.Response()
         self.choices: list[Choice] = []
@@ -415,7 +418,7 @@ class Generation:
                       "logprobs": lp}
         if finish:
             choice["stop_reason"] = c.stop_reason
-        return self._envelope([choice])
+        return self._envelope([choice], self._usage() if self.continuous_usage else None)
 
     def _final(self) -> dict[str, Any]:
         choices = []

@@ -48,6 +48,7 @@ class ApiError(Exception):
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 MAX_STOP_TOKEN_IDS = 64
@@ -383,7 +384,7 @@ def _check_common(body: _Common) -> None:
         raise ApiError(400, f"stop_token_ids must be up to {MAX_STOP_TOKEN_IDS} token ids "
                        ">= 0", param="stop_token_ids")
     if body.logit_bias:
-        raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
+        logit_bias_of(body)  # checked here; the gateway checks the ids against its vocabulary
     for name, neutral in (("skip_special_tokens", True), ("spaces_between_special_tokens", True),
                           ("include_stop_str_in_output", False), ("use_beam_search", False),
                           ("priority", 0)):
@@ -451,6 +452,27 @@ def structured_of(body: _Common) -> m.Structured | None:
 
 def _json_text(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's limit
+
+
+def logit_bias_of(body: _Common) -> dict[int, float]:
+    """OpenAI's logit_bias ({"<token id>": bias in -100..100}) as token ids."""
+    bias = body.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens",
+                       param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or len(key) > 9:
+            raise ApiError(400, f"logit_bias keys are token ids, not {key[:20]!r}",
+                           param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise ApiError(400, "logit_bias values must be between -100 and 100",
+                           param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def stop_list(body: _Common) -> list[str]:

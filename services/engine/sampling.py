@@ -1,11 +1,12 @@
 """Sampling: greedy at temperature 0, otherwise seeded per request (reproducible).
 
-The logits processors follow vLLM's meaning and order: repetition, frequency and presence
-penalties first (greedy included), a structured output's grammar mask (grammar.py),
-`min_tokens` masking of eos and `stop_token_ids` (unless the grammar allows nothing else),
-then temperature, top-k, top-p and min-p. Logprobs are the raw model's (before any processor),
-as vLLM's default `raw_logprobs`. Each step depends only on (logits, seed, token index,
-tokens generated so far), so the mesh and the reference engine agree token for token.
+The logits processors follow vLLM's meaning and order: `logit_bias` added first, then
+repetition, frequency and presence penalties (greedy included), a structured output's
+grammar mask (grammar.py), `min_tokens` masking of eos and `stop_token_ids` (unless the
+grammar allows nothing else), then temperature, top-k, top-p and min-p. Logprobs are the
+raw model's (before any processor), as vLLM's default `raw_logprobs`. Each step depends
+only on (logits, seed, token index, tokens generated so far), so the mesh and the reference
+engine agree token for token.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class SamplingParams:
     penalty_prompt_ids: tuple[int, ...] = ()  # prompt ids the repetition penalty covers
     start_index: int = 0  # tokens of this request generated before (a resumed request)
     prior_output_ids: tuple[int, ...] = ()  # those tokens, for the penalties' counts
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), OpenAI's logit_bias
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -65,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}")
         if self.start_index < 0:
             raise ValueError("start_index must be >= 0")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise ValueError("logit_bias: token ids >= 0, biases in -100..100")
 
     @classmethod
     def from_wire(cls, s: m.Sampling, max_tokens: int) -> SamplingParams:
@@ -76,7 +80,8 @@ class SamplingParams:
                    frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens,
                    ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids),
                    logprobs=s.logprobs, penalty_prompt_ids=tuple(s.penalty_prompt_ids),
-                   start_index=s.start_index, prior_output_ids=tuple(s.prior_output_ids))
+                   start_index=s.start_index, prior_output_ids=tuple(s.prior_output_ids),
+                   logit_bias=tuple(sorted(s.logit_bias.items())))
 
     @property
     def penalized(self) -> bool:
@@ -182,6 +187,13 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
+        if p.logit_bias:
+            vocab = logits.shape[-1]
+            ids = [t for t, _ in p.logit_bias if t < vocab]
+            if ids:
+                logits = logits.clone()
+                logits[torch.tensor(ids, dtype=torch.long)] += torch.tensor(
+                    [b for t, b in p.logit_bias if t < vocab], dtype=logits.dtype)
         if p.penalized and (self.counts or p.penalty_prompt_ids):
             logits = logits.clone()
             if p.repetition_penalty != 1.0:

@@ -191,6 +191,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     # state, start from them.
     prior_output_ids: list[int] = []
     structured: Structured | None = None
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, before the rest
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):

@@ -1,0 +1,67 @@
+"""vLLM's request surface beyond sampling, on the live mesh (tiny): logit_bias (the
+oracle's tokens with the same bias), stream_options.continuous_usage_stats, /ping, /load,
+and the fields refused with a 400 that says so."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from pdmesh.services.engine.oracle import reference
+from pdmesh.services.protocol import messages as m
+from tests.support.meshproc import Mesh
+
+pytestmark = pytest.mark.mesh
+
+
+def test_logit_bias_moves_the_tokens_as_the_oracle(live_mesh: Mesh) -> None:
+    prompt = "biased towards z"
+    bias = {str(ord("z")): 100.0, str(ord(" ")): 8.0}
+    status, body = live_mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+        "logit_bias": bias})
+    assert status == 200, body
+    text = body["choices"][0]["text"]
+    assert text == "z" * 12  # +100 wins every step
+    ref = reference("tiny")
+    for b in ({ord("z"): 3.0, ord("e"): -100.0}, {}):  # a bias that only shifts, none
+        status, body = live_mesh.http("POST", "/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.7,
+            "seed": 9, "logit_bias": {str(k): v for k, v in b.items()}})
+        expected = ref.answer(ref.prompt_ids(prompt), 12, m.Sampling(
+            temperature=0.7, seed=9, logit_bias=b))
+        assert body["choices"][0]["text"] == expected.text
+    for bad in ({"x": 1.0}, {"1": 101.0}, {str(10**6): 1.0}):
+        status, body = live_mesh.http("POST", "/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": 2, "logit_bias": bad})
+        assert status == 400 and body["error"]["param"] == "logit_bias", (bad, body)
+
+
+def test_continuous_usage_stats_count_in_every_chunk(live_mesh: Mesh) -> None:
+    req = urllib.request.Request(f"{live_mesh.base_url}/completions", method="POST",
+                                 data=json.dumps({
+                                     "model": "tiny", "prompt": "usage", "max_tokens": 5,
+                                     "temperature": 0, "stream": True, "stream_options": {
+                                         "include_usage": True,
+                                         "continuous_usage_stats": True}}).encode(),
+                                 headers={"Authorization": "Bearer sk-dev-alice",
+                                          "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    chunks = [e for e in events if e["choices"]]
+    assert chunks and all(e["usage"] is not None for e in chunks)
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_ping_and_load(live_mesh: Mesh) -> None:
+    for method in ("GET", "POST"):
+        status, body = live_mesh.http(method, "/ping", key=None)
+        assert status == 200 and body == {"status": "healthy"}
+    status, body = live_mesh.http("GET", "/load")
+    assert status == 200 and isinstance(body["server_load"], int) and body["server_load"] >= 0
+    assert live_mesh.http("GET", "/load", key=None)[0] == 401
