@@ -56,7 +56,8 @@ test-multihost: $(VENV)/.installed-test
 	fi
 
 ## make test-long: long-context and long-prompt scenarios (tiny model at 32k tokens: minutes
-## of prefill on two cores) and the fairness benchmark's acceptance run, kept out of
+## of prefill on two cores), the fairness benchmark's acceptance run and structured outputs on
+## SmolLM2 (the openai client's parse, 50 schemas), kept out of
 ## `make test` for its time budget.
 test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \

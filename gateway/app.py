@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import logging
 import secrets
 import time
@@ -40,6 +41,7 @@ from pdmesh.gateway.schema import (
     parse_completion,
     parse_detokenize,
     parse_tokenize,
+    prompts_of,
     structured_of,
 )
 from pdmesh.gateway.tenants import Tenant, TenantDirectory
@@ -317,9 +319,47 @@ class Gateway:
             self._check_model(body)
             self._check_limits(body)
             structured = await self._structured(body)
-            ids = await self._prompt_ids(tenant, body)
-        return await self._generate(request, tenant, body, ids, chat=False,
-                                    structured=structured)
+            batch = [await self._prompt_ids(tenant, p) for p in prompts_of(body)]
+        echoes = [self._echo(body, p, ids) for p, ids in zip(prompts_of(body), batch,
+                                                              strict=True)]
+        if len(batch) == 1:
+            return await self._generate(request, tenant, body, batch[0], chat=False,
+                                        structured=structured, echo=echoes[0])
+        return await self._batch(request, tenant, body, batch, structured, echoes)
+
+    def _echo(self, body: CompletionBody, prompt: str | list[int], ids: list[int]
+              ) -> str | None:
+        """The prompt's text a reply with `echo` starts with (None: no echo)."""
+        if not body.echo:
+            return None
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+
+    async def _batch(self, request: web.Request, tenant: Tenant, body: CompletionBody,
+                     batch: list[list[int]], structured: m.Structured | None,
+                     echoes: list[str | None]) -> web.Response:
+        """Batched prompts (a list of them): each its own request through the mesh, all at
+        once; one reply whose choices are prompt i's choice j at index i * n + j (as vLLM),
+        usage summed. A prompt that fails fails the reply (the others are aborted)."""
+        tasks = [asyncio.ensure_future(self._generate(
+            request, tenant, body, ids, chat=False, structured=structured, echo=echo))
+            for ids, echo in zip(batch, echoes, strict=True)]
+        try:
+            replies = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        bodies = [json.loads(r.body) for r in replies]  # type: ignore[attr-defined]
+        n = body.n or 1
+        choices = [{**c, "index": i * n + c["index"]}
+                   for i, b in enumerate(bodies) for c in b["choices"]]
+        usage: dict[str, Any] = {k: sum(b["usage"][k] for b in bodies)
+                                 for k in ("prompt_tokens", "completion_tokens",
+                                           "total_tokens")}
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(
+            b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)}
+        request[MESH_REQUEST_ID] = bodies[0]["id"]
+        return json_response({**bodies[0], "choices": choices, "usage": usage})
 
     def _check_limits(self, body: CompletionBody | ChatBody) -> None:
         """The checks that need the gateway's settings or the tokenizer."""
@@ -329,10 +369,7 @@ class Gateway:
             self._check_ids(body.stop_token_ids, "stop_token_ids")
         self._logit_bias(body)
 
-    async def _prompt_ids(self, tenant: Tenant, body: CompletionBody) -> list[int]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+    async def _prompt_ids(self, tenant: Tenant, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
@@ -454,7 +491,8 @@ class Gateway:
     async def _generate(self, request: web.Request, tenant: Tenant,
                         body: CompletionBody | ChatBody, ids: list[int],
                         chat: bool, structured: m.Structured | None = None,
-                        tools: ToolPlan | None = None) -> web.StreamResponse:
+                        tools: ToolPlan | None = None, echo: str | None = None
+                        ) -> web.StreamResponse:
         t0 = time.monotonic()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         request[MESH_REQUEST_ID] = rid
@@ -503,7 +541,7 @@ class Gateway:
                     metrics.queue_time.labels(self.model_name).observe(
                         queued if queued is not None else time.monotonic() - t0)
                     gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0,
-                                     req, tools)
+                                     req, tools, echo)
                     try:
                         outcome = await gen.run(subs)
                     finally:

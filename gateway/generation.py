@@ -112,9 +112,11 @@ class Generation:
 
     def __init__(self, gw: Serving, request: web.Request, tenant: Tenant,
                  body: CompletionBody | ChatBody, rid: str, prompt_len: int, chat: bool,
-                 t0: float, submit: m.SubmitRequest, tools: ToolPlan | None = None) -> None:
+                 t0: float, submit: m.SubmitRequest, tools: ToolPlan | None = None,
+                 echo: str | None = None) -> None:
         self.gw, self.request, self.tenant, self.body = gw, request, tenant, body
         self.tools = tools  # the request's tool plan (chat only; gateway/tools.py)
+        self.echo = echo  # completions' `echo`: the prompt's text, before each choice's
         self.rid, self.prompt_len, self.chat, self.t0 = rid, prompt_len, chat, t0
         self.submit = submit  # what a resume submits again
         self.resumed = contextlib.AsyncExitStack()  # the resumed choices' submissions
@@ -171,6 +173,9 @@ class Generation:
                 for c in self.choices:
                     await self._send(self._chunk(c, {"role": "assistant", "content": ""},
                                                  None, []))
+            elif self.echo:
+                for c in self.choices:
+                    await self._send(self._chunk(c, self.echo, None, []))
         tasks = [asyncio.ensure_future(self._read(c)) for c in self.choices]
         try:
             await asyncio.gather(*tasks)
@@ -437,8 +442,8 @@ class Generation:
                 choice = {"index": c.index, "message": message,
                           "finish_reason": c.finish or "length", "logprobs": lp}
             else:
-                choice = {"index": c.index, "text": text, "finish_reason": c.finish or "length",
-                          "logprobs": lp}
+                choice = {"index": c.index, "text": (self.echo or "") + text,
+                          "finish_reason": c.finish or "length", "logprobs": lp}
             choice["stop_reason"] = c.stop_reason
             choices.append(choice)
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",

@@ -108,10 +108,15 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     priority: int = 0
+    prompt_logprobs: int | None = None  # vLLM's: refused (prefill keeps only the last row)
+
+
+MAX_BATCH_PROMPTS = 64  # prompts one completion request may batch
 
 
 class CompletionBody(_Common, forbid_unknown_fields=True, kw_only=True):
-    prompt: str | list[int | str]
+    # A string, a list of token ids, or a batch: a list of strings or of token-id lists.
+    prompt: str | list[Any]
     logprobs: int | None = None  # completions: how many top logprobs (0: the token's own)
     echo: bool | None = None
     best_of: int | None = None
@@ -258,15 +263,13 @@ def _param_of(msg: str) -> str | None:
 
 def parse_completion(raw: bytes, lenient: list[str] | None = None) -> CompletionBody:
     body: CompletionBody = _decode(_completion_decoder, raw, lenient)
-    if isinstance(body.prompt, list):
-        strs = [p for p in body.prompt if isinstance(p, str)]
-        if strs and (len(strs) != len(body.prompt) or len(strs) != 1):
-            raise ApiError(400, "prompt must be a string, one string in a list, or a list "
-                           "of token ids (batched prompts are not supported)", param="prompt")
-        if any(isinstance(p, bool) for p in body.prompt):
-            raise ApiError(400, "token ids must be integers", param="prompt")
-    if body.echo:
-        raise ApiError(400, "'echo' is not supported", param="echo")
+    prompts = prompts_of(body)
+    if len(prompts) > 1 and body.stream:
+        raise ApiError(400, "stream with several prompts is not supported: send them one "
+                       "per request, or without stream", param="stream")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which are not "
+                       "served", param="echo")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}",
                        param="logprobs")
@@ -276,6 +279,33 @@ def parse_completion(raw: bytes, lenient: list[str] | None = None) -> Completion
         raise ApiError(400, "'suffix' is not supported", param="suffix")
     _check_common(body)
     return body
+
+
+def prompts_of(body: CompletionBody) -> list[str | list[int]]:
+    """The request's prompts: one (a string, or a list of token ids) or a batch (a list of
+    strings, or a list of token-id lists), each a string or a list of ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        out: list[str | list[int]] = list(prompt)
+    elif all(isinstance(p, list) for p in prompt):
+        out = list(prompt)
+    elif all(isinstance(p, int) for p in prompt):
+        out = [list(prompt)]
+    else:
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of "
+                       "strings or of token-id lists", param="prompt")
+    if len(out) > MAX_BATCH_PROMPTS:
+        raise ApiError(400, f"at most {MAX_BATCH_PROMPTS} prompts in one request",
+                       param="prompt")
+    for p in out:
+        if isinstance(p, list) and not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise ApiError(400, "token ids must be integers", param="prompt")
+    return out
 
 
 def parse_tokenize(raw: bytes, lenient: list[str] | None = None) -> TokenizeBody:
@@ -383,6 +413,9 @@ def _check_common(body: _Common) -> None:
     if len(ids) > MAX_STOP_TOKEN_IDS or any(isinstance(t, bool) or t < 0 for t in ids):
         raise ApiError(400, f"stop_token_ids must be up to {MAX_STOP_TOKEN_IDS} token ids "
                        ">= 0", param="stop_token_ids")
+    if body.prompt_logprobs is not None:
+        raise ApiError(400, "'prompt_logprobs' is not served: prefill keeps the logits of "
+                       "a prompt's last position only", param="prompt_logprobs")
     if body.logit_bias:
         logit_bias_of(body)  # checked here; the gateway checks the ids against its vocabulary
     for name, neutral in (("skip_special_tokens", True), ("spaces_between_special_tokens", True),

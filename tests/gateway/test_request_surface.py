@@ -65,3 +65,57 @@ def test_ping_and_load(live_mesh: Mesh) -> None:
     status, body = live_mesh.http("GET", "/load")
     assert status == 200 and isinstance(body["server_load"], int) and body["server_load"] >= 0
     assert live_mesh.http("GET", "/load", key=None)[0] == 401
+
+
+def test_batched_prompts_are_one_reply_of_every_prompts_choices(live_mesh: Mesh) -> None:
+    """A list of prompts (strings, or token-id lists): prompt i's choice j at index i*n+j,
+    each the oracle's answer, usage summed, as vLLM answers it."""
+    ref = reference("tiny")
+    prompts = ["first prompt", "the second one", "3"]
+    status, body = live_mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": prompts, "max_tokens": 5, "temperature": 0, "n": 2})
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    for c in body["choices"]:
+        assert c["text"] == ref.expected(prompts[c["index"] // 2], 5).text
+    lengths = [len(ref.prompt_ids(p)) for p in prompts]
+    assert body["usage"]["prompt_tokens"] == sum(lengths)  # once a prompt, whatever its n
+    assert body["usage"]["completion_tokens"] == sum(
+        ref.expected(p, 5).num_tokens for p in prompts) * 2
+    ids = [ref.prompt_ids(p) for p in prompts[:2]]
+    status, body = live_mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": ids, "max_tokens": 5, "temperature": 0})
+    assert status == 200, body
+    assert [c["text"] for c in body["choices"]] == [ref.expected(p, 5).text
+                                                   for p in prompts[:2]]
+    for bad, param in ((["a", [1, 2]], "prompt"), ([[1, "x"]], "prompt"), ([], "prompt"),
+                       (["a"] * 65, "prompt")):
+        status, body = live_mesh.http("POST", "/v1/completions", {
+            "model": "tiny", "prompt": bad, "max_tokens": 2})
+        assert status == 400 and body["error"]["param"] == param, (bad, body)
+    status, body = live_mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": ["a", "b"], "max_tokens": 2, "stream": True})
+    assert status == 400 and body["error"]["param"] == "stream", body
+
+
+def test_echo_puts_the_prompt_before_the_completion(live_mesh: Mesh) -> None:
+    ref = reference("tiny")
+    prompt = "echo me"
+    status, body = live_mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True})
+    assert status == 200 and body["choices"][0]["text"] == prompt + ref.expected(prompt, 4).text
+    req = urllib.request.Request(f"{live_mesh.base_url}/completions", method="POST",
+                                 data=json.dumps({
+                                     "model": "tiny", "prompt": ref.prompt_ids(prompt),
+                                     "max_tokens": 4, "temperature": 0, "stream": True,
+                                     "echo": True}).encode(),
+                                 headers={"Authorization": "Bearer sk-dev-alice",
+                                          "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    texts = [e["choices"][0]["text"] for e in events]
+    assert texts[0] == prompt and "".join(texts) == prompt + ref.expected(prompt, 4).text
+    status, body = live_mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 4, "echo": True, "logprobs": 1})
+    assert status == 400 and body["error"]["param"] == "echo", body
