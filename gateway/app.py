@@ -129,6 +129,7 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         app.router.add_get("/version", self.version_info)
         # vLLM's (SageMaker's) liveness ping, and its server load (a key needed: a count of
         # every tenant's requests is no one tenant's to read without one).
@@ -278,6 +279,18 @@ class Gateway:
             raise ApiError(400, "give 'prompt' or 'messages'", param="prompt")
         return json_response({"count": len(ids), "max_model_len": self.served_context(),
                               "tokens": ids, "token_strs": None})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenizer_info: what a client needs to tokenize as the server does
+        (lm-eval's `tokenizer_backend=remote` reads it, then calls /tokenize)."""
+        self._auth(request)
+        tok = self.tokenizer
+        return json_response({
+            "tokenizer_class": type(tok).__name__, "vocab_size": tok.vocab_size,
+            "eos_token": getattr(tok, "eos_token", None) or None,
+            "bos_token": getattr(tok, "bos_token", None) or None, "pad_token": None,
+            "chat_template": getattr(tok, "chat_template", None) or None,
+            "model_max_length": self.served_context()})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         tenant = self._auth(request)
@@ -486,7 +499,10 @@ class Gateway:
             ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
             logprobs=body.logprobs_k,
             penalty_prompt_ids=sorted(set(ids)) if rep != 1.0 else [], structured=structured,
-            logit_bias=self._logit_bias(body))
+            logit_bias=self._logit_bias(body),
+            # echo with logprobs: the prompt's own logprobs too (lm-eval's loglikelihood)
+            prompt_logprobs=body.logprobs if isinstance(body, CompletionBody)
+            and body.echo and body.logprobs is not None else None)
 
     async def _generate(self, request: web.Request, tenant: Tenant,
                         body: CompletionBody | ChatBody, ids: list[int],

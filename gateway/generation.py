@@ -57,6 +57,8 @@ MAX_RESUMES = 3  # a choice is resumed on other workers at most this many times
 # A lost worker heard again this long after the loss is back (restarted or reconnected),
 # not a heartbeat that was already on its way when it died.
 BACK_AFTER_S = 1.0
+# Echo with logprobs: prefill's PromptLogprobs may trail decode's last token by this long.
+PROMPT_LOGPROBS_WAIT_S = 5.0
 
 # Request key: the SSE headers are out. aiohttp >= 3.14 has typed request keys and warns on
 # plain strings; older releases have neither.
@@ -117,6 +119,8 @@ class Generation:
         self.gw, self.request, self.tenant, self.body = gw, request, tenant, body
         self.tools = tools  # the request's tool plan (chat only; gateway/tools.py)
         self.echo = echo  # completions' `echo`: the prompt's text, before each choice's
+        # echo with logprobs: the prompt's own token logprobs, per choice, before its own
+        self.prompt_lps: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}
         self.rid, self.prompt_len, self.chat, self.t0 = rid, prompt_len, chat, t0
         self.submit = submit  # what a resume submits again
         self.resumed = contextlib.AsyncExitStack()  # the resumed choices' submissions
@@ -201,6 +205,16 @@ class Generation:
             await self.response.write(b"data: [DONE]\n\n")
             await self.response.write_eof()
         else:
+            if self.echo is not None and self.want_logprobs:
+                for c in self.choices:
+                    lps = await self.gw.mesh.prompt_logprobs(
+                        c.sub, len(self.submit.prompt_ids), PROMPT_LOGPROBS_WAIT_S)
+                    if lps is None:
+                        return await self._fail(502, "the prompt's logprobs did not all come "
+                                                "from prefill", m.Outcome(
+                                                    code=m.Code.INTERNAL,
+                                                    detail="prompt logprobs missing"))
+                    self.prompt_lps[c.index] = lps
             self.response = json_response(self._final())
         first = self.choices[0].finish
         self.outcome = m.FINISHED_LENGTH if first == "length" else m.FINISHED_STOP
@@ -256,6 +270,7 @@ class Generation:
             if not why:
                 sub.max_tokens, sub.tokens_out = old.max_tokens, len(c.delivered)
                 sub.cached_tokens = max(sub.cached_tokens, old.cached_tokens)
+                sub.prompt_logprobs.update(old.prompt_logprobs)  # positions are the same
                 c.sub = sub
                 gw.metrics.migrated.labels(gw.model_name, role, lost.label).inc()
                 log.info("gateway: %s resumed as %s after %d tokens (%s lost: %s; now "
@@ -442,6 +457,8 @@ class Generation:
                 choice = {"index": c.index, "message": message,
                           "finish_reason": c.finish or "length", "logprobs": lp}
             else:
+                if c.index in self.prompt_lps and lp is not None:
+                    lp = self._echo_logprobs(self.prompt_lps[c.index], lp)
                 choice = {"index": c.index, "text": (self.echo or "") + text,
                           "finish_reason": c.finish or "length", "logprobs": lp}
             choice["stop_reason"] = c.stop_reason
@@ -467,6 +484,23 @@ class Generation:
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
                 "top_logprobs": [{piece(i): v for i, v in top} for _, (_, top) in entries],
+                "text_offset": offsets}
+
+    def _echo_logprobs(self, prompt: list[tuple[float, list[tuple[int, float]]]],
+                       reply: dict[str, Any]) -> dict[str, Any]:
+        """Completions' logprobs with the prompt's in front, as vLLM's echo: the first
+        prompt token has none (null), then each prompt token given those before it."""
+        ids = self.submit.prompt_ids
+        pieces = [self._token_str(t) for t in ids]
+        tokens = pieces + reply["tokens"]
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens,
+                "token_logprobs": [None] + [lp for lp, _ in prompt] + reply["token_logprobs"],
+                "top_logprobs": [None] + [{self._token_str(i): v for i, v in top}
+                                          for _, top in prompt] + reply["top_logprobs"],
                 "text_offset": offsets}
 
     def _token_str(self, token_id: int) -> str:

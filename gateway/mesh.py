@@ -202,6 +202,9 @@ class Submission:
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation ...
     min_tokens: int = 0  # ... once this many are out
     first_token_id: int | None = None  # what prefill sampled (FirstTokenLogprobs)
+    # The prompt's own logprobs by position (PromptLogprobs; echo with logprobs).
+    prompt_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(
+        default_factory=dict)
     tokens_out: int = 0  # tokens yielded so far (a resumed choice's: its earlier ones too)
     overstepped: bool = False  # the gateway cut decode's stream (not a clean finish)
     nats_sub: Any = None  # the token stream's subscription
@@ -395,6 +398,9 @@ class MeshClient:
                 case m.PhaseTiming():
                     self._timing_seen(sub, ev)
                     continue
+                case m.PromptLogprobs(start=start, logprobs=entries):
+                    sub.prompt_logprobs.update(enumerate(entries, start))
+                    continue
             pending[ev.seq] = ev
             sub.got_first_token = True
             while expected_seq in pending:
@@ -406,6 +412,24 @@ class MeshClient:
                 yield cur
                 if cur.finish is not None:
                     return
+
+    async def prompt_logprobs(self, sub: Submission, prompt_len: int, wait_s: float
+                              ) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """Positions 1 .. prompt_len - 1 of the prompt's logprobs once they are all in
+        (prefill's events may trail decode's last token: they are read for up to
+        `wait_s`); None if some never came."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while not all(i in sub.prompt_logprobs for i in range(1, prompt_len)):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return None
+            try:
+                ev = await asyncio.wait_for(sub.events.get(), left)
+            except TimeoutError:
+                return None
+            if isinstance(ev, m.PromptLogprobs):
+                sub.prompt_logprobs.update(enumerate(ev.logprobs, ev.start))
+        return [sub.prompt_logprobs[i] for i in range(1, prompt_len)]
 
     def _held_to_the_request(self, sub: Submission, ev: m.TokenEvent,
                              seq: int) -> m.TokenEvent:

@@ -108,7 +108,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     priority: int = 0
-    prompt_logprobs: int | None = None  # vLLM's: refused (prefill keeps only the last row)
+    prompt_logprobs: int | None = None  # vLLM's: refused (echo with logprobs serves them)
 
 
 MAX_BATCH_PROMPTS = 64  # prompts one completion request may batch
@@ -267,9 +267,9 @@ def parse_completion(raw: bytes, lenient: list[str] | None = None) -> Completion
     if len(prompts) > 1 and body.stream:
         raise ApiError(400, "stream with several prompts is not supported: send them one "
                        "per request, or without stream", param="stream")
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which are not "
-                       "served", param="echo")
+    if body.echo and body.logprobs is not None and body.stream:
+        raise ApiError(400, "echo with logprobs is not streamed (the prompt's logprobs come "
+                       "with the whole reply)", param="echo")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}",
                        param="logprobs")
@@ -414,8 +414,8 @@ def _check_common(body: _Common) -> None:
         raise ApiError(400, f"stop_token_ids must be up to {MAX_STOP_TOKEN_IDS} token ids "
                        ">= 0", param="stop_token_ids")
     if body.prompt_logprobs is not None:
-        raise ApiError(400, "'prompt_logprobs' is not served: prefill keeps the logits of "
-                       "a prompt's last position only", param="prompt_logprobs")
+        raise ApiError(400, "'prompt_logprobs' is not supported: send echo with logprobs "
+                       "(completions) for the prompt's logprobs", param="prompt_logprobs")
     if body.logit_bias:
         logit_bias_of(body)  # checked here; the gateway checks the ids against its vocabulary
     for name, neutral in (("skip_special_tokens", True), ("spaces_between_special_tokens", True),

@@ -136,12 +136,18 @@ class LocalPrefill:
                        dreq: DecodeRequest) -> torch.Tensor | None:
         """Prefill chunk by chunk; the last chunk's logits, or None when it ended."""
         logits = None
+        scored, entries = d.sampling.prompt_logprobs, []
         for start, length in prefill_windows(0, len(d.prompt_ids)):
             dreq.pinned = True  # the engine thread writes this lease: defer any release
             chunk_at = time.monotonic()
+            piece, after = d.prompt_ids[start:start + length], start + length
             try:
-                logits = await svc.compute(svc.engine.prefill, dreq.lease,
-                                           d.prompt_ids[start:start + length], start)
+                if scored is None:
+                    logits = await svc.compute(svc.engine.prefill, dreq.lease, piece, start)
+                else:  # the prompt's own logprobs too
+                    logits, entries = await svc.compute(
+                        svc.engine.prefill_scored, dreq.lease, piece, start, scored,
+                        d.prompt_ids[after] if after < len(d.prompt_ids) else None)
             except Exception as exc:
                 log.exception("colocated prefill of %s failed", dreq.request_id)
                 dreq.finish(m.Outcome(code=m.Code.INTERNAL, detail=str(exc)))
@@ -151,6 +157,9 @@ class LocalPrefill:
             if lease is not None:  # ended during the chunk (or by it): stop here
                 await svc.conclude(dreq, lease)
                 return None
+            if entries:
+                await svc.tell(dreq, m.PromptLogprobs(request_id=dreq.request_id,
+                                                      start=start + 1, logprobs=entries))
             await self._progress(svc, d, dreq, start + length)
         return logits
 

@@ -592,12 +592,32 @@ class LlamaModel:
         return F.linear(hidden, self.weights.lm_head).float()
 
     # ---- the two fixed-shape schedules every engine uses --------------------------------
-    def prefill_chunk(self, kv: KVView, token_ids: list[int], start: int) -> torch.Tensor:
-        """Run one chunk (within a PREFILL_CHUNK-aligned window); returns last hidden [dim]."""
+    def prefill_chunk(self, kv: KVView, token_ids: list[int], start: int,
+                      all_rows: bool = False) -> torch.Tensor:
+        """Run one chunk (within a PREFILL_CHUNK-aligned window); returns the last hidden
+        [dim], or every row's [n, dim] with `all_rows` (the prompt's own logprobs)."""
         tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(token_ids), device=self.device)
         hidden = self.forward(tokens, positions, [Segment(kv, 0, len(token_ids), start)])
-        return hidden[-1]
+        return hidden if all_rows else hidden[-1]
+
+    def row_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int,
+                     block: int = 64) -> list[tuple[float, list[tuple[int, float]]]]:
+        """For row i of `hidden` [n, dim] (n >= len(targets)): the logprob of `targets[i]`
+        and the top `k`, from the raw logits (as a sampled token's), `block` rows at a time
+        so a long chunk never holds [n, vocab] logits at once."""
+        out: list[tuple[float, list[tuple[int, float]]]] = []
+        for lo in range(0, len(targets), block):
+            rows = targets[lo:lo + block]
+            logp = torch.log_softmax(self.logits(hidden[lo:lo + len(rows)]), dim=-1)
+            picked = logp.gather(1, torch.tensor(rows, device=logp.device)[:, None])[:, 0]
+            if k > 0:
+                values, ids = torch.topk(logp, k, dim=-1)
+            for i in range(len(rows)):
+                top = ([(int(t), float(v)) for t, v in zip(ids[i], values[i], strict=True)]
+                       if k > 0 else [])
+                out.append((float(picked[i]), top))
+        return out
 
     def decode_tile(
         self, kvs: list[KVView], token_ids: list[int], positions: list[int]

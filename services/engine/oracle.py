@@ -78,6 +78,12 @@ class ReferenceOracle:
                 return out, logprobs
             logits = engine.decode([cache], [token], [len(prompt) + len(out) - 1])[0]
 
+    def prompt_logprobs(self, prompt_ids: Sequence[int], k: int
+                        ) -> list[TokenLogprobs]:
+        """Each prompt token's logprob after the first (and the top `k`): what the mesh
+        reports for an echo with logprobs."""
+        return self.engine.prompt_logprobs(list(prompt_ids), k)
+
     def answer(self, prompt_ids: Sequence[int], max_tokens: int,
                sampling: m.Sampling | None = None) -> Expected:
         """The reply for these ids: greedy by default, else exactly as `sampling` says."""

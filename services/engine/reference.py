@@ -31,6 +31,19 @@ class ReferenceEngine:
         return self.model.logits(hidden)
 
     @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], k: int
+                        ) -> list[tuple[float, list[tuple[int, float]]]]:
+        """The logprob (and top `k`) of each prompt token after the first, given the tokens
+        before it: what prefill reports for `Sampling.prompt_logprobs`."""
+        cache = self.new_cache(len(token_ids))
+        out: list[tuple[float, list[tuple[int, float]]]] = []
+        for start, length in prefill_windows(0, len(token_ids)):
+            hidden = self.model.prefill_chunk(cache, token_ids[start:start + length], start,
+                                              all_rows=True)
+            out += self.model.row_logprobs(hidden, token_ids[start + 1:start + length + 1], k)
+        return out
+
+    @torch.inference_mode()
     def decode(self, caches: list[ContiguousKV], token_ids: list[int],
                positions: list[int]) -> torch.Tensor:
         """One contiguous-cache decode step (at most DECODE_TILE requests)."""

@@ -258,6 +258,29 @@ class Engine:
 
         With a prefix-cache hit, `start_position` is the lease's cached length and the lease
         reads its pinned cached pages for positions before it; the same checks apply."""
+        return self.model.logits(self._prefill(lease, token_ids, start_position)[-1][-1])
+
+    @torch.inference_mode()
+    def prefill_scored(self, lease: Lease, token_ids: list[int], start_position: int,
+                       k: int, next_id: int | None
+                       ) -> tuple[torch.Tensor, list[tuple[float, list[tuple[int, float]]]]]:
+        """`prefill`, and the logprobs of each of these tokens' successors: token i + 1 given
+        the tokens up to i, and `next_id` (the prompt token after these, None at the
+        prompt's end) after the last; `k` alternatives each."""
+        chunks = self._prefill(lease, token_ids, start_position, all_rows=True)
+        successors = [*token_ids[1:], *([] if next_id is None else [next_id])]
+        entries, row = [], 0
+        for hidden in chunks:
+            take = successors[row:row + hidden.shape[0]]
+            entries += self.model.row_logprobs(hidden, take, k)
+            row += hidden.shape[0]
+        return self.model.logits(chunks[-1][-1]), entries
+
+    @torch.inference_mode()
+    def _prefill(self, lease: Lease, token_ids: list[int], start_position: int,
+                 all_rows: bool = False) -> list[torch.Tensor]:
+        """Each chunk's hidden rows ([n, dim]; the last row only, [1, dim], unless
+        `all_rows`), the KV written and checked as `prefill` says."""
         num_tokens = len(token_ids)
         if num_tokens == 0:
             raise ValueError("prefill needs at least one token")
@@ -267,17 +290,18 @@ class Engine:
         self._check_append(lease, start_position)
         self.pool.check_writable(lease, start_position, num_tokens)
         kv = PagedKV(self.pool, lease)
-        hidden = None
+        out = []
         for chunk_start, chunk_len in prefill_windows(start_position, num_tokens):
             # I2: this chunk attends over [0, chunk_start + chunk_len); the earlier part must
             # be this lease's own, written, in this epoch.
             self.pool.check_readable(lease, chunk_start)
             self.pool.check_writable(lease, chunk_start, chunk_len)
             piece = token_ids[chunk_start - start_position:chunk_start - start_position + chunk_len]
-            hidden = self.model.prefill_chunk(kv, piece, chunk_start)
+            hidden = self.model.prefill_chunk(kv, piece, chunk_start, all_rows=all_rows)
+            out.append(hidden if all_rows else hidden[None])
             self.pool.mark_written_range(lease, chunk_start, chunk_len)
             self.prefill_tokens_computed += chunk_len
-        return self.model.logits(hidden)
+        return out
 
     @torch.inference_mode()
     def decode_step(self, batch: list[DecodeSlot]) -> torch.Tensor:

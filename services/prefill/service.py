@@ -431,8 +431,11 @@ class PrefillService(WorkerBase):
                 continue
             d = job.dispatch
             try:
-                lease = self.prefix_cache.allocate(job.request_id, d.ticket.cache_salt,
-                                                   d.prompt_ids)
+                # The prompt's own logprobs need every position computed: no cache hit.
+                lease = (self.prefix_cache.allocate(job.request_id, d.ticket.cache_salt,
+                                                    d.prompt_ids)
+                         if d.sampling.prompt_logprobs is None
+                         else self.pool.allocate(job.request_id, len(d.prompt_ids)))
             except PoolExhaustedError as exc:
                 if self.queue.active or self._sending():
                     return  # a running or sending prefill frees pages: retried then
@@ -500,8 +503,15 @@ class PrefillService(WorkerBase):
             self.rt.tracing.record("prefill.queue", job.span, job.received_at, job.started_at)
         piece = d.prompt_ids[start:start + length]
         self._compute_since = chunk_at = time.monotonic()
+        scored = d.sampling.prompt_logprobs
         try:
-            logits = await self.compute(self.engine.prefill, lease, piece, start)
+            if scored is None:
+                logits = await self.compute(self.engine.prefill, lease, piece, start)
+            else:
+                after = start + length
+                logits, entries = await self.compute(
+                    self.engine.prefill_scored, lease, piece, start, scored,
+                    d.prompt_ids[after] if after < len(d.prompt_ids) else None)
         except Exception as exc:
             log.exception("prefill of %s failed", job.request_id)
             self._fail_job(job, m.Code.INTERNAL, f"prefill failed: {exc}", "error")
@@ -511,6 +521,12 @@ class PrefillService(WorkerBase):
             self._compute_since = 0.0
         self.prompt_tokens.inc(length)
         job.done_tokens = start + length
+        if scored is not None and entries:
+            try:
+                await self._tell(d, m.tokens_subject(job.request_id), m.PromptLogprobs(
+                    request_id=job.request_id, start=start + 1, logprobs=entries))
+            except (nats.errors.Error, OSError) as exc:  # the client's reply waits, then fails
+                log.warning("prompt logprobs of %s not sent: %s", job.request_id, exc)
         self.rt.tracing.record("prefill.chunk", job.span, chunk_at, time.monotonic(),
                                **{"pdmesh.chunk.start": start, "pdmesh.chunk.tokens": length})
         if life.is_terminal:  # guard: abort-stops-prefill.after-chunk

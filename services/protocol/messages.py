@@ -192,6 +192,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     prior_output_ids: list[int] = []
     structured: Structured | None = None
     logit_bias: dict[int, float] = {}  # token id -> added to its logit, before the rest
+    # The prompt's own logprobs (completions' echo with logprobs): prefill sends each
+    # prompt token's logprob and this many alternatives (PromptLogprobs), computing the
+    # whole prompt (no prefix-cache hit) to do so.
+    prompt_logprobs: int | None = None
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
@@ -448,8 +452,18 @@ class StreamInterrupted(msgspec.Struct, frozen=True, kw_only=True, tag="interrup
     detail: str
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True, tag="prompt_logprobs"):
+    """Prefill -> gateway, a chunk at a time: the logprobs of prompt tokens `start`,
+    `start + 1`, ... each given the tokens before it (the first prompt token has none), with
+    `Sampling.prompt_logprobs` alternatives each."""
+
+    request_id: str
+    start: int
+    logprobs: list[tuple[float, list[tuple[int, float]]]]
+
+
 StreamEvent = (TokenEvent | StreamFailed | PrefixCacheInfo | FirstTokenLogprobs
-               | PrefillProgress | PhaseTiming)
+               | PrefillProgress | PhaseTiming | PromptLogprobs)
 LocalStreamEvent = StreamEvent | StreamInterrupted
 
 

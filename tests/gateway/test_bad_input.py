@@ -134,7 +134,8 @@ CASES = [
     Case("use_beam_search", comp(use_beam_search=True), param="use_beam_search"),
     Case("chat continue_final_message", chat(continue_final_message=True), path=CHAT,
          param="continue_final_message"),
-    Case("echo with logprobs", comp(echo=True, logprobs=1), param="echo"),
+    Case("echo with logprobs streamed", comp(echo=True, logprobs=1, stream=True),
+         param="echo"),
     Case("prompt_logprobs", comp(prompt_logprobs=1), param="prompt_logprobs"),
     Case("suffix", comp(suffix="end"), param="suffix"),
     # -- chat messages

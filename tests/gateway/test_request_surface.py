@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
 from pdmesh.services.engine.oracle import reference
 from pdmesh.services.protocol import messages as m
-from tests.support.meshproc import Mesh
+from tests.support.meshproc import Mesh, run_mesh
 
 pytestmark = pytest.mark.mesh
+
+
+@pytest.fixture(scope="module")
+def colocated_mesh() -> Iterator[Mesh]:
+    with run_mesh("--colocated", "--kv-tokens", "4096") as mesh:
+        yield mesh
 
 
 def test_logit_bias_moves_the_tokens_as_the_oracle(live_mesh: Mesh) -> None:
@@ -116,6 +123,41 @@ def test_echo_puts_the_prompt_before_the_completion(live_mesh: Mesh) -> None:
                   if line.startswith("data: {")]
     texts = [e["choices"][0]["text"] for e in events]
     assert texts[0] == prompt and "".join(texts) == prompt + ref.expected(prompt, 4).text
-    status, body = live_mesh.http("POST", "/v1/completions", {
-        "model": "tiny", "prompt": prompt, "max_tokens": 4, "echo": True, "logprobs": 1})
-    assert status == 400 and body["error"]["param"] == "echo", body
+
+
+@pytest.mark.parametrize("which", ["mesh", "colocated"])
+def test_echo_with_logprobs_scores_the_prompt(which: str, live_mesh: Mesh,
+                                              request: pytest.FixtureRequest) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 1): every prompt token's
+    logprob given the ones before it (the first null), then the completion's; the prompt's
+    are the reference engine's, batched prompts included."""
+    mesh = live_mesh if which == "mesh" else request.getfixturevalue("colocated_mesh")
+    ref = reference("tiny")
+    prompts = ["score this prompt " * 40, "and a second one"]  # the first spans chunks
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True,
+        "logprobs": 2})
+    assert status == 200, body
+    for choice, prompt in zip(body["choices"], prompts, strict=True):
+        ids = ref.prompt_ids(prompt)
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None and choice["text"].startswith(prompt)
+        expected = ref.prompt_logprobs(ids, 2)
+        got = lp["token_logprobs"][1:len(ids)]
+        assert max(abs(a - b) for a, (b, _) in zip(got, expected, strict=True)) < 1e-4
+        for tops, (_, want) in zip(lp["top_logprobs"][1:len(ids)], expected, strict=True):
+            # (OpenAI's shape keys them by text: two ids of one text are one entry)
+            want_by_text = {ref.tokenizer.decode([i]): v for i, v in want}
+            assert tops.keys() == want_by_text.keys()
+            assert list(tops.values()) == pytest.approx(list(want_by_text.values()), abs=1e-4)
+        assert lp["text_offset"][len(ids)] == len(prompt)
+
+
+def test_tokenizer_info_lets_a_client_tokenize_as_the_server(live_mesh: Mesh) -> None:
+    status, info = live_mesh.http("GET", "/tokenizer_info")
+    assert status == 200, info
+    ref = reference("tiny")
+    assert info["vocab_size"] == ref.tokenizer.vocab_size and info["pad_token"] is None
+    assert info["model_max_length"] > 0
+    assert live_mesh.http("GET", "/tokenizer_info", key=None)[0] == 401
