@@ -202,9 +202,11 @@ class Submission:
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation ...
     min_tokens: int = 0  # ... once this many are out
     first_token_id: int | None = None  # what prefill sampled (FirstTokenLogprobs)
-    # The prompt's own logprobs by position (PromptLogprobs; echo with logprobs).
+    # The prompt's own logprobs by position (PromptLogprobs; echo with logprobs), taken only
+    # for positions 1 .. prompt_len - 1 (a misbehaving prefill's others are dropped).
     prompt_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(
         default_factory=dict)
+    prompt_len: int = 0
     tokens_out: int = 0  # tokens yielded so far (a resumed choice's: its earlier ones too)
     overstepped: bool = False  # the gateway cut decode's stream (not a clean finish)
     nats_sub: Any = None  # the token stream's subscription
@@ -258,7 +260,8 @@ class MeshClient:
             for choice in choices:
                 state = Submission(request_id=choice.request_id, events=asyncio.Queue(),
                                    max_tokens=req.max_tokens, stop_ids=stop_ids,
-                                   min_tokens=req.sampling.min_tokens)
+                                   min_tokens=req.sampling.min_tokens,
+                                   prompt_len=len(req.prompt_ids))
                 state.nats_sub = await self._listen(state, choice.stream_key)
                 held.append(state)
                 self._inflight[choice.request_id] = state
@@ -398,8 +401,8 @@ class MeshClient:
                 case m.PhaseTiming():
                     self._timing_seen(sub, ev)
                     continue
-                case m.PromptLogprobs(start=start, logprobs=entries):
-                    sub.prompt_logprobs.update(enumerate(entries, start))
+                case m.PromptLogprobs():
+                    _take_prompt_logprobs(sub, ev)
                     continue
             pending[ev.seq] = ev
             sub.got_first_token = True
@@ -428,7 +431,7 @@ class MeshClient:
             except TimeoutError:
                 return None
             if isinstance(ev, m.PromptLogprobs):
-                sub.prompt_logprobs.update(enumerate(ev.logprobs, ev.start))
+                _take_prompt_logprobs(sub, ev)
         return [sub.prompt_logprobs[i] for i in range(1, prompt_len)]
 
     def _held_to_the_request(self, sub: Submission, ev: m.TokenEvent,
@@ -488,3 +491,10 @@ class MeshClient:
         finally:
             with contextlib.suppress(Exception):
                 await nats_sub.unsubscribe()
+
+
+def _take_prompt_logprobs(sub: Submission, ev: m.PromptLogprobs) -> None:
+    """Keep the prompt logprobs of positions the prompt has (1 .. prompt_len - 1)."""
+    for pos, entry in enumerate(ev.logprobs, ev.start):
+        if 1 <= pos < sub.prompt_len:
+            sub.prompt_logprobs[pos] = entry
