@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdmesh.gateway import responses
 from pdmesh.gateway.generation import STREAM_STARTED, Generation, json_response
 from pdmesh.gateway.limits import TenantLimiter
 from pdmesh.gateway.mesh import (
@@ -126,6 +127,7 @@ class Gateway:
         app.on_response_prepare.append(_echo_request_id)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -250,6 +252,10 @@ class Gateway:
             "id": name, "object": "model", "created": 0, "owned_by": "pdmesh",
             "root": self.cfg.model, "parent": None, "max_model_len": self.served_context()}
             for name in self.served_names]})
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API, text in and out (gateway/responses.py)."""
+        return await responses.handle(self, request)
 
     async def ping(self, request: web.Request) -> web.Response:
         """200 while the gateway takes requests (as /health), else 503."""
@@ -507,8 +513,8 @@ class Gateway:
     async def _generate(self, request: web.Request, tenant: Tenant,
                         body: CompletionBody | ChatBody, ids: list[int],
                         chat: bool, structured: m.Structured | None = None,
-                        tools: ToolPlan | None = None, echo: str | None = None
-                        ) -> web.StreamResponse:
+                        tools: ToolPlan | None = None, echo: str | None = None,
+                        generation: type[Generation] = Generation) -> web.StreamResponse:
         t0 = time.monotonic()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         request[MESH_REQUEST_ID] = rid
@@ -556,7 +562,7 @@ class Gateway:
                     queued = subs[0].queued_s
                     metrics.queue_time.labels(self.model_name).observe(
                         queued if queued is not None else time.monotonic() - t0)
-                    gen = Generation(self, request, tenant, body, rid, len(ids), chat, t0,
+                    gen = generation(self, request, tenant, body, rid, len(ids), chat, t0,
                                      req, tools, echo)
                     try:
                         outcome = await gen.run(subs)

@@ -173,13 +173,7 @@ class Generation:
             await resp.prepare(self.request)
             self.request[STREAM_STARTED] = True
             self.response = resp
-            if self.chat:
-                for c in self.choices:
-                    await self._send(self._chunk(c, {"role": "assistant", "content": ""},
-                                                 None, []))
-            elif self.echo:
-                for c in self.choices:
-                    await self._send(self._chunk(c, self.echo, None, []))
+            await self._stream_opened()
         tasks = [asyncio.ensure_future(self._read(c)) for c in self.choices]
         try:
             await asyncio.gather(*tasks)
@@ -200,10 +194,7 @@ class Generation:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._observe_finished()
         if self.body.stream:
-            if self.include_usage:
-                await self._send(self._envelope([], usage=self._usage()))
-            await self.response.write(b"data: [DONE]\n\n")
-            await self.response.write_eof()
+            await self._stream_closed()
         else:
             if self.echo is not None and self.want_logprobs:
                 for c in self.choices:
@@ -219,6 +210,23 @@ class Generation:
         first = self.choices[0].finish
         self.outcome = m.FINISHED_LENGTH if first == "length" else m.FINISHED_STOP
         return self.outcome
+
+    async def _stream_opened(self) -> None:
+        """The first events of a stream: chat's role delta, or the echoed prompt."""
+        if self.chat:
+            for c in self.choices:
+                await self._send(self._chunk(c, {"role": "assistant", "content": ""},
+                                             None, []))
+        elif self.echo:
+            for c in self.choices:
+                await self._send(self._chunk(c, self.echo, None, []))
+
+    async def _stream_closed(self) -> None:
+        """A stream that finished: the usage chunk (when asked for), then `[DONE]`."""
+        if self.include_usage:
+            await self._send(self._envelope([], usage=self._usage()))
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
 
     async def _read(self, c: Choice) -> None:
         """Read one choice's token events to its end, resuming it elsewhere when a worker
