@@ -548,7 +548,7 @@ class Gateway:
                 request_id=rids[0], tenant=tenant.tenant_id, cache_salt=tenant.cache_salt,
                 prompt_ids=ids, max_tokens=max_tokens, sampling=samplings[0],
                 stream_key=streamauth.new_key(), weight=limits.weight,
-                kv_share=limits.kv_share, choices=[
+                kv_share=limits.kv_share, priority=body.priority, choices=[
                     m.SubmitChoice(request_id=r, stream_key=streamauth.new_key(), sampling=s)
                     for r, s in zip(rids[1:], samplings[1:], strict=True)])
             try:

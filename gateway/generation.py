@@ -310,7 +310,7 @@ class Generation:
             cache_salt=req.cache_salt, prompt_ids=[*req.prompt_ids, *done],
             max_tokens=req.max_tokens - len(done), sampling=sampling,
             stream_key=streamauth.new_key(), weight=req.weight, kv_share=req.kv_share,
-            avoid_workers=self._avoid(c), resumes=origin.request_id)
+            avoid_workers=self._avoid(c), resumes=origin.request_id, priority=req.priority)
 
     def _avoid(self, c: Choice) -> list[str]:
         """The workers this choice lost that have not heartbeated since (a restarted or

@@ -418,9 +418,10 @@ def _check_common(body: _Common) -> None:
                        "(completions) for the prompt's logprobs", param="prompt_logprobs")
     if body.logit_bias:
         logit_bias_of(body)  # checked here; the gateway checks the ids against its vocabulary
+    if not -(2**31) <= body.priority < 2**31:
+        raise ApiError(400, "priority must fit in 32 bits", param="priority")
     for name, neutral in (("skip_special_tokens", True), ("spaces_between_special_tokens", True),
-                          ("include_stop_str_in_output", False), ("use_beam_search", False),
-                          ("priority", 0)):
+                          ("include_stop_str_in_output", False), ("use_beam_search", False)):
         if getattr(body, name) != neutral:
             raise ApiError(400, f"'{name}' is only accepted at its default ({neutral!r})",
                            param=name)

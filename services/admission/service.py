@@ -217,7 +217,8 @@ class AdmissionService:
         loop = asyncio.get_running_loop()
         arrived = time.monotonic()
         deadline = loop.time() + self.cfg.queue_timeout_s
-        waiter = self.line.enter(req.tenant, float(_need_tokens(req)), req.weight, item=req)
+        waiter = self.line.enter(req.tenant, float(_need_tokens(req)), req.weight, item=req,
+                                 priority=req.priority)
         served = False
         avoid = frozenset(req.avoid_workers)
         tried: set[str] = set()

@@ -224,6 +224,9 @@ class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, tag="submit"):
     avoid_workers: list[str] = []
     # A resumed request: the id of the request it continues (logs and metrics only).
     resumes: str = ""
+    # vLLM's `priority` (lower first): orders this tenant's own waiting requests in
+    # admission's fair line; it never moves a request ahead of another tenant's share.
+    priority: int = 0
 
 
 class SubmitChoice(msgspec.Struct, frozen=True, kw_only=True):

@@ -78,3 +78,29 @@ def test_a_waiter_that_gives_up_is_not_charged() -> None:
     assert serve_all(q) == ["a", "b"]
     with pytest.raises(ValueError):
         q.enter("a", cost=1, weight=0)
+
+
+def test_priority_orders_a_tenants_own_requests_not_its_share() -> None:
+    """vLLM's priority (lower first) among one tenant's waiters; the other tenant keeps its
+    turns exactly as without priorities."""
+    q = FairQueue()
+    names = {}
+    for i, prio in enumerate((5, 5, 0, 1)):
+        names[id(q.enter("a", cost=10, item=f"a{i}", priority=prio))] = f"a{i}"
+        q.enter("b", cost=10, item=f"b{i}", priority=-100 if i == 0 else 0)
+    order = []
+    while (w := q.first()) is not None:
+        q.leave(w, served=True)
+        order.append(w.item)
+    assert [x for x in order if x.startswith("a")] == ["a2", "a3", "a0", "a1"]
+    # b's priorities reorder only b's own; the tenants still alternate.
+    assert [x[0] for x in order] == ["a", "b"] * 4
+    assert [x for x in order if x.startswith("b")] == ["b0", "b1", "b2", "b3"]
+
+
+def test_priority_takes_only_an_eligible_place() -> None:
+    q = FairQueue()
+    low = q.enter("a", cost=10, item="low", priority=1)
+    high = q.enter("a", cost=10, item="high", priority=0)
+    assert q.first(lambda w: w is not high) is low  # the better one may not go: no swap
+    assert q.first() is high and q.first() is high  # asked again: the same answer

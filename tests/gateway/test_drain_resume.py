@@ -153,13 +153,14 @@ async def test_a_structured_choice_resumes_with_its_grammar_state(
     async with gateways(nats_server.url) as start:
         run = await start(script)
         status, lines = await _stream(run.base, "hi", 4,
-                                      structured_outputs={"regex": "[a-z]{4}"})
+                                      structured_outputs={"regex": "[a-z]{4}"}, priority=-2)
         assert status == 200 and _letters(lines) == "abcd", lines[-2:]
         original, again = run.mesh.submits
         assert original.sampling.structured == m.Structured(kind="regex", spec="[a-z]{4}")
         assert again.sampling.structured == original.sampling.structured
         assert again.sampling.prior_output_ids == [ord(c) for c in "abc"]
         assert again.sampling.start_index == 3
+        assert original.priority == again.priority == -2  # admission's order, resumed too
 
 
 async def test_a_lost_worker_heard_again_is_no_longer_avoided(
