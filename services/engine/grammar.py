@@ -89,6 +89,11 @@ class Grammars:
                 self._ll = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos)
             return self._ll
 
+    def warm(self) -> None:
+        """Build the vocabulary view now (a worker does at start, off its event loop, so
+        that the first constrained request does not pay for it there)."""
+        _ = self.ll_tokenizer
+
     def check(self, structured: m.Structured) -> None:
         """Raise GrammarError when `structured` does not compile for this vocabulary."""
         _compiled(self, structured)
