@@ -378,8 +378,9 @@ class DecodeService(WorkerBase):
                 detail=f"first token id {result.first_token} outside 0..{vocab - 1}"))
             return
         constraint = dreq.sampler.constraint
-        if constraint is not None and not constraint.allowed()[  # guard: first-token-grammar
-                result.first_token]:
+        allowed = constraint.allowed() if constraint is not None else None
+        if allowed is not None and not (  # guard: first-token-grammar
+                result.first_token < len(allowed) and allowed[result.first_token]):
             # A structured output's first token (prefill's) outside the request's grammar:
             # the reply would not satisfy it, and the grammar state could not follow.
             self.transfers.labels("bad_first_token").inc()
@@ -406,8 +407,8 @@ class DecodeService(WorkerBase):
         dreq.lifecycle.advance(RequestState.TRANSFERRED)
         if dreq.span is not None:
             dreq.gen_span = self.rt.tracing.span("decode.generate", dreq.span)
+            tracing.event(dreq.gen_span, "first_token")  # (a 1-token reply ends in _emit)
         await self._emit(dreq, first_token, since)
-        tracing.event(dreq.gen_span, "first_token")
         if not dreq.lifecycle.is_terminal:
             dreq.lifecycle.advance(RequestState.DECODING)
             self.scheduler.add(dreq)
