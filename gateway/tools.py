@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdmesh.services.protocol import messages as m
@@ -202,7 +202,7 @@ class ToolStream:
     plan: ToolPlan
     text: str = ""  # the whole reply so far
     sent: int = 0  # characters of it already streamed as content
-    held: bool = field(default=False)  # a tool call started: nothing more is streamed
+    held: bool = False  # a tool call started: nothing more is streamed
 
     def push(self, delta: str) -> str:
         """The part of the reply that may be streamed as content now."""

@@ -130,7 +130,7 @@ def test_prepared_mask_is_the_same_mask() -> None:
 def test_bad_specs_are_refused_with_a_reason(structured: m.Structured, needle: str) -> None:
     with pytest.raises(GrammarError, match=needle):
         GRAMMARS.check(structured)
-    with pytest.raises(ValueError):
+    with pytest.raises(GrammarError, match=needle):  # a worker's sampler: the same reason
         Sampler.for_request(m.Sampling(structured=structured), 8, TOK.eos_token_ids, GRAMMARS)
 
 
