@@ -204,7 +204,7 @@ def test_a_mesh_traces_every_process(tmp_path: Path) -> None:
     (commit,) = [e for e in files["decode"] if e["ev"] == "commit"]
     (tell,) = [e for e in files["decode"] if e["ev"] == "tell"]
     assert commit["lease"] == reserved["lease"] and commit["ok"] is True
-    assert tell["lease"] == reserved["lease"] and tell["kind"] == "finished"
+    assert tell["req"] == reserved["req"] and tell["kind"] == "finished"
     freed = [e for e in files["decode"] if e["ev"] == "free"]
     assert [e["lease"] for e in freed] == [reserved["lease"]]
     assert freed[0]["ts"] <= tell["ts"]  # released before telling

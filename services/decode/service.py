@@ -547,10 +547,7 @@ class DecodeService(WorkerBase):
         self.requests.pop(dreq.request_id, None)
         if dreq.span is not None:
             self._trace_end(dreq, outcome, quarantine)
-        if not dreq.quiet:
-            if self.trace is not None:  # the request's terminal event, after its release
-                self.trace.emit("tell", req=dreq.request_id, lease=dreq.reservation_id,
-                                kind=outcome.code.kind.name.lower(), code=outcome.label)
+        if not dreq.quiet:  # the protocol trace's `tell` is written where it is published
             await self.tell(dreq, event or m.StreamFailed(request_id=dreq.request_id,
                                                           outcome=outcome))
 

@@ -15,9 +15,10 @@ Events, by who emits them (fields after `ev`):
     read
   receive table (transports/receiver.py; `lease` is the reservation id): expect, accept,
     land, commit, fail, fence, drop
-  decode: reserve_in, tell; admission: decide, reserve, cancel, dispatch; prefill: job,
-    commit_sent, release_sent; gateway: submit; every process: start, then stop as the last
-    line of a clean shutdown (a killed process has none).
+  decode: reserve_in; admission: decide, reserve, cancel, dispatch; prefill: job,
+    commit_sent, release_sent; gateway: submit; every process: tell (a request's terminal
+    stream event, written by `ServiceRuntime.publish` as it leaves, whatever path sent it),
+    start, then stop as the last line of a clean shutdown (a killed process has none).
 """
 
 from __future__ import annotations

@@ -440,7 +440,22 @@ class ServiceRuntime:
 
     async def publish(self, subject: str, msg: msgspec.Struct,
                       headers: dict[str, str] | None = None) -> None:
+        if self.trace is not None:
+            self._trace_tell(msg)
         await self.nc.publish(subject, m.encode(msg), headers=headers)
+
+    def _trace_tell(self, msg: msgspec.Struct) -> None:
+        """Trace a stream's terminal event (`tell`) where it leaves the process, whichever
+        path sends it, so the trace shows every tell and not only the intended one."""
+        if isinstance(msg, m.StreamFailed):
+            outcome: m.Outcome | None = msg.outcome
+        elif isinstance(msg, m.TokenEvent):
+            outcome = msg.finish
+        else:
+            return
+        if outcome is not None and self.trace is not None:
+            self.trace.emit("tell", req=msg.request_id, kind=outcome.kind.name.lower(),
+                            code=outcome.label)
 
     async def request(self, subject: str, msg: msgspec.Struct, typ: Any,
                       timeout_s: float, headers: dict[str, str] | None = None) -> Any:

@@ -23,7 +23,8 @@ Rules, each named after the model's property or transition it mirrors:
               into quarantined pages); a fence returns only with no accepted write in flight.
   FENCE       a receiving pool frees a lease only after its fence returned, and quarantines
               only when the fence did not return.
-  TELL        decode tells the client a request's end only after its lease was released.
+  TELL        decode tells the client a request's end (any terminal event it publishes on
+              the request's stream, by whatever path) only after its lease was released.
   I6          a process that stopped cleanly (its last line is `stop`) holds no lease of the
               receiving pool (decode's: the model's pool) at the end.
 A process killed mid-run has no `stop` and may have cut its last line: I6 and the cut line
@@ -301,10 +302,17 @@ class _Process:
 
     # -- decode's service ---------------------------------------------------------------
     def on_tell(self, e: dict) -> None:
-        lease = self.leases.get(e.get("lease", ""))
-        if lease is not None and lease.live:
-            self.bad("TELL", f"{lease.req} told ({e.get('kind')}) before its lease was "
-                     "released")
+        # The code traces a tell where the terminal event is published (it names the
+        # request); the model's lines name the lease too.
+        if "lease" in e:
+            held = [self.leases[e["lease"]]] if e["lease"] in self.leases else []
+        else:
+            held = [lease for lease in self.leases.values()
+                    if lease.req == e.get("req") and lease.receiving]
+        for lease in held:
+            if lease.live:
+                self.bad("TELL", f"{lease.req} told ({e.get('kind')}) before its lease was "
+                         "released")
 
     def on_stop(self, e: dict) -> None:
         self.stopped = True
