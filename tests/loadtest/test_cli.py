@@ -88,7 +88,9 @@ def test_integrity_mismatches_are_counted_and_saved(sse_server_factory, tmp_path
 
 
 def test_compare_prints_side_by_side_ratios(sse_server_factory, tmp_path, capsys):
-    mesh = sse_server_factory(token_delay_s=0.02)
+    # 60 ms against 2 ms a token: the ratios' direction holds under a loaded machine's
+    # scheduling noise (tens of ms), which a 20 ms gap did not.
+    mesh = sse_server_factory(token_delay_s=0.06)
     colocated = sse_server_factory(token_delay_s=0.002)
     rc = main(_argv(mesh, tmp_path, "--compare-base-url", colocated.base_url))
     assert rc == EXIT_OK
