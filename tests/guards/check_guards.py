@@ -527,7 +527,9 @@ MUTATIONS = [
              (FAMILIES + "[mistral-safetensors-torch]",)),
     Mutation("window-decode-native", "a native decode row attends within the sliding window",
              (Expr("window-decode-native", "window > 0 &&", "0 &&"),),
-             (FAMILIES + "[mistral-safetensors-native]",)),
+             ("tests/engine/test_native_attention.py::"
+              "test_a_sliding_window_attends_to_the_last_keys_the_same_in_any_layout",
+              FAMILIES + "[mistral-safetensors-native]")),
     Mutation("pre-split-regex", "a GGUF is tokenized with its own pre-split regex",
              (Expr("pre-split-regex", "REGEX_SPLITS[pre]", "QWEN2_SPLIT"),),
              ("tests/engine/test_families.py::"
