@@ -202,6 +202,8 @@ def write_gguf(path: Path, family: Family, tok: Tokenizer,
     writer.add_feed_forward_length(g["ffn"])
     writer.add_head_count(g["heads"])
     writer.add_head_count_kv(g["kv_heads"])
+    writer.add_key_length(g["head_dim"])
+    writer.add_value_length(g["head_dim"])
     writer.add_rope_dimension_count(g["head_dim"])
     writer.add_rope_freq_base(family.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
