@@ -43,8 +43,13 @@ construction:
 Caveat: the processes must use the same torch build, device, dtype and thread count.
 
 Weights are kept in the layout the matmuls want (`ModelWeights.prepare`): q/k/v fused into
-one [q_dim + 2*kv_dim, dim] matrix and gate/up into one [2*ffn_dim, dim] matrix, so a layer
-is four matmuls (and RoPE runs once over q and k together).
+one [q_dim + 2*kv_dim, dim] matrix (and their biases, where the family has them, into one
+vector added after it) and gate/up into one [2*ffn_dim, dim] matrix, so a layer is four
+matmuls (and RoPE runs once over q and k together).
+
+The families' details (`families.py`) change no shape a batch could influence: Llama 3.1's
+RoPE rescaling only changes the cos/sin tables (`rope_inv_freq`); a sliding window limits a
+row to its own last keys, by its own position (`_chunk_mask`, the decode paths).
 """
 
 from __future__ import annotations

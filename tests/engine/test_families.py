@@ -1,7 +1,7 @@
 """Each served family computes what transformers computes, from the same files.
 
 Small random-weight checkpoints (tests/support/families.py: 2 layers, dim 256, 4 query and
-2 KV heads of 64, a 700-token byte-level BPE) are written as a transformers directory and
+2 KV heads of 64, a byte-level BPE of about 600 tokens) are written as a transformers directory and
 as a llama.cpp GGUF. The engine's logits at every position of a 520-token prompt (across
 pages and the 512-token prefill chunk boundary) and of 160 greedy decode steps after it, on
 both decode paths, are compared with transformers' forward over the same tokens: the
