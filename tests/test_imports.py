@@ -97,6 +97,7 @@ def test_torch_free_modules_do_not_import_torch(tmp_path: Path) -> None:
         import pdmesh.services.engine
         import pdmesh.services.engine.checkpoint
         import pdmesh.services.engine.config
+        import pdmesh.services.engine.families
         import pdmesh.services.engine.tokenizer
         import pdmesh.kvstore.spec
         import pdmesh.services.admission.service
@@ -214,7 +215,8 @@ def test_no_import_cycles_hidden_in_functions() -> None:
 # lifecycle, tickets, capacity rules) and `kvstore.spec` (page arithmetic) are open to all.
 _OPEN = ("pdmesh.services.protocol", "pdmesh.kvstore.spec")
 _TORCH_FREE_ENGINE = ("pdmesh.services.engine.config", "pdmesh.services.engine.tokenizer",
-                      "pdmesh.services.engine.checkpoint", "pdmesh.services.engine.grammar")
+                      "pdmesh.services.engine.checkpoint", "pdmesh.services.engine.families",
+                      "pdmesh.services.engine.grammar")
 _WORKER_BASE = ("pdmesh.services.runtime", "pdmesh.services.engine", "pdmesh.kvstore",
                 "pdmesh.transports")
 _WORKER_DEPS = (*_WORKER_BASE, "pdmesh.services.faults")  # a role's serve() wires faults

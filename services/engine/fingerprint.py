@@ -91,7 +91,8 @@ def weights_digest(model: LoadedModel) -> str:
     w = model.weights
     tensors = [("embed", w.embed)]
     for i, layer in enumerate(w.layers):
-        tensors.extend((f"layers.{i}.{name}", t) for name, t in vars(layer).items())
+        tensors.extend((f"layers.{i}.{name}", t) for name, t in vars(layer).items()
+                       if t is not None)  # a bias the model does not have
     tensors.extend((("norm", w.norm), ("lm_head", w.lm_head)))
     for name, t in tensors:
         t = t.detach().to("cpu").contiguous()

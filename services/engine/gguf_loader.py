@@ -1,9 +1,12 @@
-"""Load a Llama-architecture GGUF (llama.cpp's format) into fp32 torch weights.
+"""Load a GGUF (llama.cpp's format) of a served family (`families`: architectures llama
+and qwen2) into fp32 torch weights.
 
-Tensors are dequantized with the `gguf` package. llama.cpp's converter permutes the rows
-of attn_q / attn_k from the HF "rotate-half" RoPE layout into the interleaved-pairs layout
-llama.cpp uses; `unpermute` undoes that so our rotate-half RoPE is right. The geometry and
-the tokenizer (BPE vocab + merges) come from the GGUF metadata (`checkpoint`, no torch).
+Tensors are dequantized with the `gguf` package. For the llama architecture, llama.cpp's
+converter permutes the rows of attn_q / attn_k (and their biases) from the HF "rotate-half"
+RoPE layout into the interleaved-pairs layout llama.cpp uses; `unpermute` undoes that so
+our rotate-half RoPE is right. qwen2 files keep HF's layout (llama.cpp rotates them NeoX
+style, i.e. rotate-half) and carry q/k/v biases. The geometry and the tokenizer (BPE vocab +
+merges) come from the GGUF metadata (`families`, `checkpoint`, no torch).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from pdmesh.services.engine.checkpoint import gguf_config, gguf_tokenizer
+from pdmesh.services.engine.checkpoint import gguf_tokenizer
+from pdmesh.services.engine.families import QKV_BIAS, gguf_architecture, gguf_config
 from pdmesh.services.engine.model import LayerWeights, LoadedModel, ModelWeights
+from pdmesh.services.protocol.errors import ConfigError
 
 
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -39,13 +44,26 @@ def _tensor(reader_tensors: dict, name: str) -> np.ndarray:
 def load_gguf(path: str | Path) -> LoadedModel:
     reader = GGUFReader(str(path))
     config = gguf_config(reader)
+    arch = gguf_architecture(reader)
+    permuted = arch == "llama"  # llama.cpp's interleaved q/k rows
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str, heads: int | None = None) -> torch.Tensor:
+        if name not in tensors:
+            raise ConfigError(name, None, f"tensor missing from the {arch} GGUF")
         array = _tensor(tensors, name)
-        if heads is not None:
+        if heads is not None and permuted:
             array = unpermute(array, heads)
         return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+
+    def bias(name: str, heads: int | None = None) -> torch.Tensor | None:
+        """A q/k/v bias: required where the family has them; where it does not, one in
+        the file would be silently dropped, so it is refused."""
+        if arch in QKV_BIAS:
+            return get(name, heads)
+        if name in tensors:
+            raise ConfigError(name, "present", f"{arch} attention has no biases here")
+        return None
 
     layers = []
     for i in range(config.n_layers):
@@ -60,6 +78,9 @@ def load_gguf(path: str | Path) -> LoadedModel:
             w_gate=get(p + "ffn_gate.weight"),
             w_up=get(p + "ffn_up.weight"),
             w_down=get(p + "ffn_down.weight"),
+            bq=bias(p + "attn_q.bias", config.n_heads),
+            bk=bias(p + "attn_k.bias", config.n_kv_heads),
+            bv=bias(p + "attn_v.bias"),
         ))
     embed = get("token_embd.weight")
     lm_head = get("output.weight") if "output.weight" in tensors else embed

@@ -43,8 +43,13 @@ construction:
 Caveat: the processes must use the same torch build, device, dtype and thread count.
 
 Weights are kept in the layout the matmuls want (`ModelWeights.prepare`): q/k/v fused into
-one [q_dim + 2*kv_dim, dim] matrix and gate/up into one [2*ffn_dim, dim] matrix, so a layer
-is four matmuls (and RoPE runs once over q and k together).
+one [q_dim + 2*kv_dim, dim] matrix (and their biases, where the family has them, into one
+vector added after it) and gate/up into one [2*ffn_dim, dim] matrix, so a layer is four
+matmuls (and RoPE runs once over q and k together).
+
+The families' details (`families.py`) change no shape a batch could influence: Llama 3.1's
+RoPE rescaling only changes the cos/sin tables (`rope_inv_freq`); a sliding window limits a
+row to its own last keys, by its own position (`_chunk_mask`, the decode paths).
 """
 
 from __future__ import annotations
@@ -104,6 +109,9 @@ class LayerWeights:
     w_gate: torch.Tensor  # [ffn_dim, dim]
     w_up: torch.Tensor  # [ffn_dim, dim]
     w_down: torch.Tensor  # [dim, ffn_dim]
+    bq: torch.Tensor | None = None  # [n_heads*head_dim] q/k/v biases (Qwen2), same layout
+    bk: torch.Tensor | None = None  # [n_kv_heads*head_dim]
+    bv: torch.Tensor | None = None  # [n_kv_heads*head_dim]
 
 
 @dataclass
@@ -116,6 +124,7 @@ class FusedLayer:
     ffn_norm: torch.Tensor  # [dim]
     w_gate_up: torch.Tensor  # [2*ffn_dim, dim] = cat(w_gate, w_up)
     w_down: torch.Tensor  # [dim, ffn_dim]
+    bqkv: torch.Tensor | None = None  # [q_dim + 2*kv_dim] = cat(bq, bk, bv), added after wqkv
 
 
 @dataclass
@@ -136,8 +145,8 @@ class ModelWeights:
 
     def to(self, device: str | torch.device, dtype: torch.dtype = torch.float32
            ) -> ModelWeights:
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=dtype).contiguous()
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
         layers = [LayerWeights(**{k: move(v) for k, v in vars(layer).items()})
                   for layer in self.layers]
@@ -161,8 +170,12 @@ class ModelWeights:
             q, kv, ffn = layer.wq.shape[0], layer.wk.shape[0], layer.w_gate.shape[0]
             wqkv = move(torch.cat((layer.wq, layer.wk, layer.wv)))
             gate_up = move(torch.cat((layer.w_gate, layer.w_up)))
+            biases = (layer.bq, layer.bk, layer.bv)
+            if any(b is not None for b in biases) and any(b is None for b in biases):
+                raise ValueError("a layer has some of the q/k/v biases, not all three")
+            bqkv = None if layer.bq is None else move(torch.cat(biases))
             fused.append(FusedLayer(move(layer.attn_norm), wqkv, move(layer.wo),
-                                    move(layer.ffn_norm), gate_up, move(layer.w_down)))
+                                    move(layer.ffn_norm), gate_up, move(layer.w_down), bqkv))
             if layer.wq.device == device and layer.wq.dtype == dtype:
                 layer.wq, layer.wk, layer.wv = wqkv.split((q, kv, kv))
                 layer.w_gate, layer.w_up = gate_up.split((ffn, ffn))
@@ -294,6 +307,17 @@ class Segment:
     start_pos: int
 
 
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2] in fp64: theta^(-2i/head_dim), divided by
+    the checkpoint's per-frequency factors where it has them (Llama 3.1's rescaling)."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+    if config.rope_freq_factors is not None:
+        factors = torch.tensor(config.rope_freq_factors, dtype=torch.float64)
+        inv_freq = inv_freq / factors  # guard: rope-freq-factors
+    return inv_freq
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()  # no-op in fp32; reduces in fp32 under bf16/fp16
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
@@ -406,9 +430,8 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.weights = weights.prepare(self.device, self.dtype)
-        half = config.head_dim // 2
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
-        angles = torch.arange(config.max_context, dtype=torch.float64)[:, None] * inv_freq
+        angles = torch.arange(config.max_context, dtype=torch.float64)[:, None] * rope_inv_freq(
+            config)
         self.cos = angles.cos().to(torch.float32).to(self.device)
         self.sin = angles.sin().to(torch.float32).to(self.device)
         self._plan_for_threads: tuple[int, DecodePlan] | None = None
@@ -442,7 +465,8 @@ class LlamaModel:
             cfg = self.config
             self._decode_layers = native.DecodeLayers(self.weights.layers, self.weights.norm,
                                                       cfg.n_heads, cfg.n_kv_heads,
-                                                      cfg.head_dim, cfg.norm_eps)
+                                                      cfg.head_dim, cfg.norm_eps,
+                                                      cfg.attention_window or 0)
         return self._decode_layers
 
     @property
@@ -518,17 +542,8 @@ class LlamaModel:
             attend, targets = store.decode_attention(), store.decode_targets()
             return self._native_layers()(w.embed[token_ids], positions, self.cos, self.sin,
                                          attend, targets)
-        masks = []
-        for seg in segments:  # causal within the chunk, all earlier chunks visible
-            mask = None
-            if seg.num_rows > 1 and self.device.type != "cpu":  # on CPU: _chunk_attention
-                query_pos = torch.arange(seg.num_rows, device=self.device) + seg.start_pos
-                key_pos = torch.arange(seg.start_pos + seg.num_rows, device=self.device)
-                # Additive, built once per forward: SDPA would turn a boolean mask into
-                # this same 0/-inf tensor in every layer.
-                mask = torch.zeros(key_pos.shape[0], dtype=self.dtype, device=self.device
-                                   ).masked_fill(key_pos > query_pos[:, None], float("-inf"))
-            masks.append(mask)
+        window = cfg.attention_window
+        masks = [self._chunk_mask(seg, window) for seg in segments]
 
         def add_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -552,21 +567,27 @@ class LlamaModel:
         for index, layer in enumerate(w.layers):
             x, h = add_norm(x, delta, layer.attn_norm)
             qkv = linear(h, layer.wqkv, "qkv")
+            if layer.bqkv is not None:
+                qkv = qkv + layer.bqkv  # guard: qkv-bias-torch
             qk = _rope(qkv[:, :qk_dim].view(n, heads + kv_heads, hd), cos, sin)
             store.write(index, qk[:, heads:], qkv[:, qk_dim:].view(n, kv_heads, hd))
             q = qk[:, :heads]
             per_segment: Iterable = ()
             if attend is not None and n == len(segments):  # no padding rows: as it comes
-                attn = attend(index, q, kv_heads, hd)
+                attn = attend(index, q, kv_heads, hd, window or 0)
             elif attend is not None:  # every decode row over its K/V in place (native.py)
                 attn = torch.zeros(n, heads, hd, dtype=x.dtype, device=x.device)
-                attn[:len(segments)] = attend(index, q[:len(segments)], kv_heads, hd)
+                attn[:len(segments)] = attend(index, q[:len(segments)], kv_heads, hd,
+                                              window or 0)
             else:
                 attn = torch.zeros(n, heads, hd, dtype=x.dtype, device=x.device)
                 per_segment = zip(segments, masks, store.read(index), strict=True)
-            for seg, mask, (keys, values) in per_segment:
+            for seg, (mask, first_key), (keys, values) in per_segment:
                 rows = slice(seg.row, seg.row + seg.num_rows)
                 if seg.num_rows == 1:
+                    if window is not None:  # its last `window` keys
+                        first = max(0, keys.shape[2] - window)  # guard: window-decode-torch
+                        keys, values = keys[:, :, first:], values[:, :, first:]
                     # Decode: the query heads sharing a KV head become that head's query
                     # rows ([1, kv_heads, group, hd], no mask: a decode row sees every
                     # key), so SDPA runs kv_heads heads of `group` rows instead of
@@ -579,13 +600,35 @@ class LlamaModel:
                 if mask is None:
                     out = _chunk_attention(query, keys, values, seg.start_pos)
                 else:
-                    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                                         enable_gqa=True)
+                    out = F.scaled_dot_product_attention(
+                        query, keys[:, :, first_key:], values[:, :, first_key:],
+                        attn_mask=mask, enable_gqa=True)
                 attn[rows] = out[0].transpose(0, 1)
             x, h = add_norm(x, linear(attn.view(n, cfg.q_dim), layer.wo, "o"), layer.ffn_norm)
             gate, up = linear(h, layer.w_gate_up, "gate_up").chunk(2, dim=-1)
             delta = linear(F.silu(gate) * up, layer.w_down, "down")
         return add_norm(x, delta, w.norm)[1]
+
+    def _chunk_mask(self, seg: Segment, window: int | None
+                    ) -> tuple[torch.Tensor | None, int]:
+        """(additive mask, first key) of a prefill chunk's attention: each row sees the
+        keys up to its own position, the last `window` of them with a sliding window. None
+        (keys from 0) where `_chunk_attention`'s two flash calls compute it unmasked: on
+        CPU, no key outside any row's window. Built once per forward: SDPA would turn a
+        boolean mask into this same 0/-inf tensor in every layer. Its shape depends on the
+        chunk's positions only."""
+        end = seg.start_pos + seg.num_rows
+        windowed = window is not None and end > window
+        if seg.num_rows == 1 or (self.device.type == "cpu" and not windowed):
+            return None, 0
+        first_key = max(0, seg.start_pos - window + 1) if windowed else 0
+        query_pos = torch.arange(seg.start_pos, end, device=self.device)[:, None]
+        key_pos = torch.arange(first_key, end, device=self.device)
+        hidden = key_pos > query_pos
+        if windowed:
+            hidden |= key_pos <= query_pos - window  # guard: window-prefill
+        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill(hidden, float("-inf")), first_key
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden [N, dim] (or [dim])."""

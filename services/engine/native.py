@@ -111,7 +111,8 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.pd_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 6 + [ctypes.c_void_p, ctypes.c_void_p,
-                                                      ctypes.c_float, ctypes.c_int64]
+                                                      ctypes.c_float, ctypes.c_int64,
+                                                      ctypes.c_int64]
     fn = lib.pd_decode_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -261,16 +262,17 @@ class DecodeAttention:
         sizes, strides, page offsets, page ids, lengths); valid while this object lives."""
         return self._ptrs
 
-    def __call__(self, layer: int, q: torch.Tensor, kv_heads: int, head_dim: int
-                 ) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, kv_heads: int, head_dim: int,
+                 window: int = 0) -> torch.Tensor:
         """Attention of q [n, heads, head_dim] (one row per request, in order) over each
-        request's keys 0..length; returns [n, heads, head_dim]."""
+        request's keys 0..length (its last `window` with a sliding window > 0); returns
+        [n, heads, head_dim]."""
         q = q.contiguous()
         out = torch.empty_like(q)
         group = q.shape[1] // kv_heads
         status = self._fn(self.n, layer, kv_heads, group, head_dim, *self._ptrs,
                           q.data_ptr(), out.data_ptr(), head_dim ** -0.5,
-                          min(torch.get_num_threads(), 16))
+                          min(torch.get_num_threads(), 16), window)
         if status != 0:
             raise ValueError("native decode attention refused its arguments")
         return out
@@ -370,7 +372,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 _STEP_FIELDS = ("m", "dim", "heads", "kv_heads", "head_dim", "ffn", "layers", "threads", "x",
                 "delta", "h", "qkv", "q", "attn", "gate_up", "act", "positions", "cos", "sin",
                 "table_rows", "targets", "bases", "page_tokens", "page_stride", "page_start",
-                "pages", "lengths", "norm", "hidden")
+                "pages", "lengths", "norm", "hidden", "window")
 LAYER_WEIGHTS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
 _STAGES = ("", "attention norm", "qkv matmul", "RoPE / K-V append", "attention", "o matmul",
            "ffn norm", "gate/up matmul", "SiLU * up", "down matmul", "final norm")
@@ -386,7 +388,9 @@ class DecodeLayers:
     from the OS every step); a lock keeps two threads from sharing it."""
 
     def __init__(self, layers: list, norm: torch.Tensor, heads: int, kv_heads: int,
-                 head_dim: int, eps: float) -> None:
+                 head_dim: int, eps: float, window: int = 0) -> None:
+        """`layers`: `model.FusedLayer`s (a `bqkv` of None: no q/k/v bias); `window`: the
+        sliding window in keys (0: none)."""
         if not layers or heads % kv_heads:
             raise ValueError("decode layers need at least one layer and heads a multiple "
                              "of kv_heads")
@@ -401,6 +405,11 @@ class DecodeLayers:
                 if not _plain(t, shapes[name]) or (t.dim() == 2 and not linear_takes(t.shape)):
                     raise ValueError(f"layer {i} {name}: {tuple(t.shape)} {t.dtype} is not a "
                                      f"contiguous fp32 CPU {shapes[name]} the kernels take")
+            if layer.bqkv is not None and not _plain(layer.bqkv, (qkv_dim,)):
+                raise ValueError(f"layer {i} bqkv: {tuple(layer.bqkv.shape)} is not a "
+                                 f"contiguous fp32 CPU ({qkv_dim},)")
+        if window < 0:
+            raise ValueError(f"window {window}: expected >= 0")
         if not _plain(norm, (dim,)):
             raise ValueError(f"the final norm: {tuple(norm.shape)} is not fp32 CPU ({dim},)")
         if dim % LINEAR_LANES or ffn % LINEAR_LANES or head_dim % 8:
@@ -411,14 +420,17 @@ class DecodeLayers:
             raise NativeUnavailable("kernels/decode_layers.c and native.py disagree on the "
                                     "step's fields")
         self._fn = lib.pd_decode_layers
-        self._keep = [getattr(layer, name) for layer in layers for name in LAYER_WEIGHTS]
+        per_layer = [[getattr(layer, name) for name in LAYER_WEIGHTS] + [layer.bqkv]
+                     for layer in layers]
+        self._keep = [t for ts in per_layer for t in ts if t is not None]
         self._keep.append(norm)
-        self.weights = np.array([t.data_ptr() for t in self._keep[:-1]], dtype=np.int64)
+        self.weights = np.array([0 if t is None else t.data_ptr() for ts in per_layer
+                                 for t in ts], dtype=np.int64)
         self._weights_address = self.weights.ctypes.data
         self._norm_address = norm.data_ptr()
         self.layers, self.dim, self.ffn = len(layers), dim, ffn
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.eps, self.scale = eps, head_dim ** -0.5
+        self.eps, self.scale, self.window = eps, head_dim ** -0.5, window
         self._sizes = (dim, qkv_dim, q_dim, q_dim, 2 * ffn, ffn, dim)  # h .. act, delta
         self._scratch: list[int] = []  # the buffers' addresses, for `_rows` rows
         self._rows = 0
@@ -460,7 +472,8 @@ class DecodeLayers:
                              self.layers, torch.get_num_threads(), x.data_ptr(), delta, h, qkv,
                              q, attn, gate_up, act, positions.data_ptr(), cos.data_ptr(),
                              sin.data_ptr(), cos.shape[0], targets.ctypes.data,
-                             *attend.addresses(), self._norm_address, hidden.data_ptr()],
+                             *attend.addresses(), self._norm_address, hidden.data_ptr(),
+                             self.window],
                             dtype=np.int64)
             status = self._fn(step.ctypes.data, self._weights_address, self.eps, self.scale)
         if status != 0:

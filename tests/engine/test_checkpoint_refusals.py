@@ -1,8 +1,8 @@
-"""Checkpoints the engine would serve silently wrong are refused, naming what is missing.
-
-Llama-3's tokenizer pre-split rule (`llama-bpe`) and Llama 3.1+'s rope scaling are not
-implemented: tokenizing with GPT-2's regex or rotating with plain RoPE would give a model
-that answers, just wrongly. Every test here passed silently before the refusals existed.
+"""Checkpoints the engine would serve silently wrong are refused with a ConfigError naming
+the field: another pre-split rule, architecture or model type, RoPE scaling other than
+Llama 3.1's, partial RoPE, biases the family does not have (or lacks), per-layer attention
+kinds. Tokenizing with the wrong regex or rotating with other angles would give a model that
+answers, just wrongly.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import pytest
 
 from pdmesh.services.engine.checkpoint import load_gguf_tokenizer
 from pdmesh.services.engine.models import load_model
+from pdmesh.services.protocol.errors import ConfigError
 
 
 def _gguf(path, *, pre: str | None = None, scaling: tuple[str, float] | None = None,
-          rope_freqs: bool = False, rotary_dims: int | None = None) -> str:
-    """A 1-layer llama GGUF (dim 8, 2 heads) with a 4-token byte-level vocabulary."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+          rope_freqs: int = 0, rotary_dims: int | None = None, arch: str = "llama",
+          extra: dict | None = None) -> str:
+    """A 1-layer GGUF (dim 8, 2 heads of 4) with a 4-token byte-level vocabulary."""
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
     writer.add_embedding_length(8)
@@ -47,7 +49,8 @@ def _gguf(path, *, pre: str | None = None, scaling: tuple[str, float] | None = N
               "blk.0.ffn_gate.weight": (16, 8), "blk.0.ffn_up.weight": (16, 8),
               "blk.0.ffn_down.weight": (8, 16)}
     if rope_freqs:
-        shapes["rope_freqs.weight"] = (2,)
+        shapes["rope_freqs.weight"] = (rope_freqs,)
+    shapes |= extra or {}
     for name, shape in shapes.items():
         writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     writer.write_header_to_file()
@@ -63,38 +66,71 @@ def test_a_plain_gguf_loads(tmp_path) -> None:
     assert model.config.n_layers == 1 and model.tokenizer.eos_token_ids == {3}
 
 
-def test_llama3_pre_tokenizer_is_refused(tmp_path) -> None:
-    path = _gguf(tmp_path / "llama3.gguf", pre="llama-bpe")
-    with pytest.raises(ValueError, match="pre-split rule.*'llama-bpe'"):
+def test_an_unknown_pre_tokenizer_is_refused(tmp_path) -> None:
+    path = _gguf(tmp_path / "deepseek.gguf", pre="deepseek-llm")
+    with pytest.raises(ConfigError, match="tokenizer.ggml.pre='deepseek-llm'") as caught:
         load_gguf_tokenizer(path)  # what the gateway loads
-    with pytest.raises(ValueError, match="'llama-bpe'"):
+    assert caught.value.field == "tokenizer.ggml.pre"
+    with pytest.raises(ConfigError, match="'deepseek-llm'"):
         load_model(path)  # what a worker loads
 
 
-def test_gguf_rope_freqs_tensor_is_refused(tmp_path) -> None:
-    with pytest.raises(ValueError, match="rope_freqs.weight"):
-        load_model(_gguf(tmp_path / "llama31.gguf", pre="gpt2", rope_freqs=True))
+def test_an_unserved_gguf_architecture_is_refused(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="general.architecture='phi3'"):
+        load_model(_gguf(tmp_path / "phi3.gguf", arch="phi3"))
+
+
+def test_a_rope_freqs_tensor_of_the_wrong_length_is_refused(tmp_path) -> None:
+    """Llama 3.1's divisors are one per rotated pair: 2 for head_dim 4, not 3."""
+    with pytest.raises(ConfigError, match="rope_freqs.weight"):
+        load_model(_gguf(tmp_path / "llama31.gguf", pre="gpt2", rope_freqs=3))
 
 
 def test_gguf_rope_scaling_keys_are_refused(tmp_path) -> None:
-    with pytest.raises(ValueError, match="rope scaling.*'linear'"):
+    with pytest.raises(ConfigError, match="llama.rope.scaling.type='linear'"):
         load_model(_gguf(tmp_path / "linear.gguf", scaling=("linear", 4.0)))
 
 
 def test_gguf_partial_rope_is_refused(tmp_path) -> None:
-    with pytest.raises(ValueError, match="rotates 2 of 4"):
+    with pytest.raises(ConfigError, match="rotates 2 of 4"):
         load_model(_gguf(tmp_path / "partial.gguf", rotary_dims=2))
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 8192},
-    {"type": "linear", "factor": 2.0},
-    "yarn",
+def test_a_bias_the_family_does_not_have_is_refused(tmp_path) -> None:
+    """llama attention has no q/k/v biases here: dropping one would serve it wrong."""
+    with pytest.raises(ConfigError, match="blk.0.attn_q.bias"):
+        load_model(_gguf(tmp_path / "bias.gguf", extra={"blk.0.attn_q.bias": (8,)}))
+
+
+def test_a_qwen2_gguf_without_its_biases_is_refused(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="blk.0.attn_q.bias.*missing"):
+        load_model(_gguf(tmp_path / "qwen2.gguf", arch="qwen2", pre="qwen2"))
+
+
+CONFIG = {"model_type": "llama", "vocab_size": 4, "hidden_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "intermediate_size": 16}
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_scaling.low_freq_factor"),
+    ({"rope_scaling": "yarn"}, "rope_scaling"),
+    ({"model_type": "phi3"}, "model_type"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64},
+     "use_sliding_window"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
 ])
-def test_safetensors_rope_scaling_is_refused(tmp_path, scaling) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 4, "hidden_size": 8, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "intermediate_size": 16, "rope_scaling": scaling}))
-    with pytest.raises(ValueError, match="rope_scaling.*not implemented"):
+def test_config_json_options_not_served_are_refused(tmp_path, extra, field) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG | extra))
+    with pytest.raises(ConfigError) as caught:
         load_model(str(tmp_path))
+    assert caught.value.field == field

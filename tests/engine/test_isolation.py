@@ -1,4 +1,6 @@
-"""Batch invariance, disaggregated == reference, and lease checks on the engine path (I2, I4)."""
+"""Batch invariance, disaggregated == reference, and lease checks on the engine path (I2, I4),
+for tiny and for tiny with the served families' details (biases, rescaled RoPE, a sliding
+window)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,36 @@ import pytest
 import torch
 
 from pdmesh.kvstore import KVPool, LeaseAccessError, PoolSpec, ScrubPolicy
+from pdmesh.services.engine.families import llama3_freq_factors
+from pdmesh.services.engine.models import LoadedModel, load_model
 from pdmesh.services.engine.reference import ReferenceEngine
 from pdmesh.services.engine.runner import DecodeSlot, Engine, make_pool
 from pdmesh.services.engine.sampling import SamplingParams
 from tests.support.engine import batched_generate, prompt
 
 PARAMS = SamplingParams(max_tokens=8)
+WINDOW = 48  # the sliding window of "tiny-families": prompts of 100..700 reach past it
 # Mixed lengths, including ones that cross page (16) and prefill-chunk (512) boundaries.
 LENGTHS = [37, 1, 15, 16, 17, 100, 513, 64, 250, 3, 700, 31, 48, 9, 129, 300]
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-families"])
+def tiny(request) -> LoadedModel:
+    """Every test here runs on `tiny`, and on tiny with each served family's detail: q/k/v
+    biases (Qwen2), Llama 3.1's RoPE rescaling and a sliding window (Mistral), which both
+    decode paths and prefill must keep batch-invariant too."""
+    model = load_model("tiny")
+    if request.param == "tiny":
+        return model
+    config = dataclasses.replace(
+        model.config, rope_theta=500000.0, sliding_window=WINDOW,
+        rope_freq_factors=llama3_freq_factors(model.config.head_dim, 500000.0, 8.0, 1.0, 4.0,
+                                              64))
+    gen = torch.Generator().manual_seed(7)
+    for layer in model.weights.layers:
+        layer.bq, layer.bk, layer.bv = (torch.randn(t.shape[0], generator=gen) * 0.5
+                                        for t in (layer.wq, layer.wk, layer.wv))
+    return LoadedModel(config, model.weights, model.tokenizer, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -24,17 +48,18 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def _expected_by_path() -> dict[str, list[list[int]]]:
+def _expected_by_path() -> dict[tuple[str, str], list[list[int]]]:
     return {}
 
 
 @pytest.fixture
 def expected_here(tiny, prompts, attention_path, _expected_by_path) -> list[list[int]]:
     """The reference's tokens on the decode attention path this test runs."""
-    if attention_path not in _expected_by_path:
+    key = (tiny.name, attention_path)
+    if key not in _expected_by_path:
         ref = ReferenceEngine(tiny)
-        _expected_by_path[attention_path] = [ref.generate(p, PARAMS) for p in prompts]
-    return _expected_by_path[attention_path]
+        _expected_by_path[key] = [ref.generate(p, PARAMS) for p in prompts]
+    return _expected_by_path[key]
 
 
 def test_outputs_depend_on_the_prompt(expected_here) -> None:

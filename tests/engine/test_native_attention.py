@@ -106,6 +106,40 @@ def test_a_requests_bits_do_not_depend_on_batch_layout_or_threads(geometry, page
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_a_sliding_window_attends_to_the_last_keys_the_same_in_any_layout(window) -> None:
+    """With a window, each request over its last `window` keys only (close to SDPA over
+    them); the same bits from scattered pages of 5 or 16 tokens, alone or batched, and
+    from one contiguous cache, whose keys before the window the kernel reads but weighs
+    nothing."""
+    layers, kv_heads, group, head_dim = GEOMETRIES[0]
+    q = torch.randn(len(LENGTHS), kv_heads * group, head_dim)
+    for page in (PAGE, 5):
+        pages = sum(-(-n // page) for n in LENGTHS) + 3
+        pool = _pool(layers, kv_heads, head_dim, pages, seed=6, page=page)
+        page_lists = _scattered(LENGTHS, pages, seed=7, page=page)
+        batched = _paged(pool, page_lists, LENGTHS)(1, q, kv_heads, head_dim, window)
+        for i, length in enumerate(LENGTHS):
+            kv = pool[torch.from_numpy(page_lists[i]), 1]
+            keys, values = (kv[:, j].reshape(-1, kv_heads, head_dim)[:length].transpose(0, 1)
+                            for j in (0, 1))
+            first = max(0, length - window)
+            expected = F.scaled_dot_product_attention(
+                q[i].view(kv_heads, group, head_dim), keys[:, first:], values[:, first:])
+            torch.testing.assert_close(batched[i], expected.reshape(-1, head_dim),
+                                       rtol=1e-5, atol=1e-5)
+            alone = _paged(pool, [page_lists[i]], [length])(1, q[i:i + 1], kv_heads,
+                                                             head_dim, window)
+            assert torch.equal(alone[0], batched[i]), (page, length)
+            cache = torch.zeros(layers, 2, length + 3, kv_heads, head_dim)
+            cache[1, 0, :length], cache[1, 1, :length] = keys.transpose(0, 1), values.transpose(
+                0, 1)
+            contiguous = DecodeAttention([cache.data_ptr()], [length + 3], [0],
+                                         [np.zeros(1, np.int64)], [length], [cache], [1])
+            assert torch.equal(contiguous(1, q[i:i + 1], kv_heads, head_dim, window)[0],
+                               batched[i]), (page, length)
+
+
 def test_arguments_it_cannot_serve_are_refused() -> None:
     pool = _pool(1, 1, 8, 4, seed=5)
     q = torch.randn(1, 1, 8)

@@ -374,6 +374,7 @@ def mutate(m: Mutation, tags: dict[str, list[Site]],
 
 
 ISO = "tests/isolation/"
+FAMILIES = "tests/engine/test_families.py::test_logits_and_greedy_tokens_equal_transformers"
 MUTATIONS = [
     # The policy's later checks (prefill and decode gates) would still reject, so the
     # mutation removes the decision itself: every request goes straight to the workers.
@@ -507,6 +508,32 @@ MUTATIONS = [
               "test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads",
               "tests/engine/test_isolation.py::"
               "test_paged_decode_logits_bits_equal_reference_alone_and_batched")),
+    # Each model family's own detail, removed, makes its checkpoint answer otherwise than
+    # transformers does on the same file (tests/engine/test_families.py).
+    Mutation("rope-freq-factors", "Llama 3.1's RoPE frequency rescaling is applied",
+             (Delete("rope-freq-factors"),),
+             (FAMILIES + "[llama3-safetensors-native]", FAMILIES + "[llama3-gguf-native]")),
+    Mutation("qkv-bias-torch", "Qwen2's q/k/v biases are added (prefill, torch decode)",
+             (Delete("qkv-bias-torch"),),
+             (FAMILIES + "[qwen2-safetensors-torch]",)),
+    Mutation("qkv-bias-native", "Qwen2's q/k/v biases are added (native decode step)",
+             (Expr("qkv-bias-native", "+= w[6][j]", "+= 0.0f"),),
+             (FAMILIES + "[qwen2-safetensors-native]",)),
+    Mutation("window-prefill", "a prefill chunk attends within Mistral's sliding window",
+             (Delete("window-prefill"),),
+             (FAMILIES + "[mistral-safetensors-native]",)),
+    Mutation("window-decode-torch", "a torch decode row attends within the sliding window",
+             (Expr("window-decode-torch", "keys.shape[2] - window", "0"),),
+             (FAMILIES + "[mistral-safetensors-torch]",)),
+    Mutation("window-decode-native", "a native decode row attends within the sliding window",
+             (Expr("window-decode-native", "window > 0 &&", "0 &&"),),
+             ("tests/engine/test_native_attention.py::"
+              "test_a_sliding_window_attends_to_the_last_keys_the_same_in_any_layout",
+              FAMILIES + "[mistral-safetensors-native]")),
+    Mutation("pre-split-regex", "a GGUF is tokenized with its own pre-split regex",
+             (Expr("pre-split-regex", "REGEX_SPLITS[pre]", "QWEN2_SPLIT"),),
+             ("tests/engine/test_families.py::"
+              "test_gguf_tokenizer_equals_transformers[llama-bpe]",)),
     # Prefill's Release and the gateway's Abort (guard abort-on-disconnect) both free decode
     # at once: remove both.
     Mutation("release-on-reject", "a rejection on one side frees the other at once (I6)",

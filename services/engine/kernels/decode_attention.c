@@ -7,6 +7,8 @@
  * bits never depend on the batch, on which thread ran it, or on how its pages are laid out
  * (paged engine and contiguous reference engine get the same bits: invariant I4).
  *
+ * A sliding window (`window` > 0) limits a request to its last `window` keys.
+ *
  * Layout of one page (or of a contiguous cache with page_tokens = its capacity and one
  * page): [layers][2 (K, V)][page_tokens][kv_heads][head_dim] floats.
  *
@@ -34,6 +36,7 @@ typedef struct {
     const float *q;              /* [n_seg][kv_heads * group][head_dim] */
     float *out;                  /* same shape as q */
     float scale;
+    int64_t window;              /* > 0: only the last `window` keys (sliding window) */
 } job_t;
 
 /* 8 floats, loaded and stored unaligned: AVX on x86-64, two SSE halves or NEON elsewhere */
@@ -150,9 +153,16 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     const float scale = job->scale;
     const int64_t stride_s = (length + 15) / 16 * 16;  /* a score row, padded */
     const int64_t ahead = PREFETCH_PAGES;
+    /* Keys lo..length (a sliding window); pages wholly before lo are not read. The
+     * scores and sums below run from t0, lo's 16-key block, with the keys before lo
+     * weighing nothing: the same bits whatever the pages (a contiguous cache is one). */
+    const int64_t window = job->window;
+    const int64_t lo = window > 0 && length > window ? length - window : 0;  /* guard: window-decode-native */
+    const int64_t t0 = lo / 16 * 16;
 
     /* scores[(h * group + g) * stride_s + t] = q . k * scale */
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
+        if (first + ptok <= lo) continue;
         const float *kp = base + pages[pi] * stride + k_off;
         const int64_t n = length - first < ptok ? length - first : ptok;
         /* the next K block's lines, shared out over this page's kv_heads x blocks */
@@ -208,17 +218,18 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     for (int64_t r = 0; r < kv_heads * group; r++) {
         float *s = scores + r * stride_s;
         for (int64_t t = length; t < stride_s; t++) s[t] = s[length - 1];  /* pad */
-        v8 top = *(v8 *)s;
-        for (int64_t t = 8; t < stride_s; t += 8) top = vmax(top, *(v8 *)(s + t));
+        for (int64_t t = t0; t < lo; t++) s[t] = s[length - 1];  /* outside the window */
+        v8 top = *(v8 *)(s + t0);
+        for (int64_t t = t0 + 8; t < stride_s; t += 8) top = vmax(top, *(v8 *)(s + t));
         float m = top[0];
         for (int j = 1; j < 8; j++) m = top[j] > m ? top[j] : m;
         v8 acc0 = (v8){0}, acc1 = (v8){0};
-        for (int64_t t = 0; t < stride_s; t += 16) {
+        for (int64_t t = t0; t < stride_s; t += 16) {
             v8 e0 = exp8(*(v8 *)(s + t) - m), e1 = exp8(*(v8 *)(s + t + 8) - m);
-            if (t + 16 > length) {  /* the padding weighs nothing */
+            if (t + 16 > length || t < lo) {  /* the padding and keys before lo weigh nothing */
                 for (int j = 0; j < 8; j++) {
-                    if (t + j >= length) e0[j] = 0.0f;
-                    if (t + 8 + j >= length) e1[j] = 0.0f;
+                    if (t + j >= length || t + j < lo) e0[j] = 0.0f;
+                    if (t + 8 + j >= length || t + 8 + j < lo) e1[j] = 0.0f;
                 }
             }
             *(v8 *)(s + t) = e0;
@@ -234,6 +245,7 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
     /* out = sum_t p_t v_t / sum_t p_t, accumulated in `out` between pages */
     for (int64_t i = 0; i < kv_heads * group * hd; i++) out[i] = 0.0f;
     for (int64_t first = 0, pi = 0; first < length; first += ptok, pi++) {
+        if (first + ptok <= lo) continue;
         const float *vp = base + pages[pi] * stride + v_off;
         const int64_t n = length - first < ptok ? length - first : ptok;
         /* the next V block's lines, shared out over this page's kv_heads x tokens */
@@ -245,7 +257,7 @@ attend_body(const job_t *job, int64_t seg, float *restrict scores, const int64_t
             for (int64_t g = 0; g < group; g++)
                 for (int64_t c = 0; c < chunks; c++) ov[g][c] = *(v8 *)(o + g * hd + 8 * c);
             const float *sc = scores + h * group * stride_s + first;
-            for (int64_t s = 0; s < n; s++) {
+            for (int64_t s = lo > first ? lo - first : 0; s < n; s++) {
                 pf_some(&vcur, vper);
                 const float *v = vp + s * kvw + h * hd;
                 for (int64_t c = 0; c < chunks; c++) {
@@ -277,10 +289,10 @@ int pd_decode_attention(int64_t n_seg, int64_t layer, int64_t kv_heads, int64_t 
                         int64_t head_dim, const int64_t *bases, const int64_t *page_tokens,
                         const int64_t *page_stride, const int64_t *page_start,
                         const int64_t *pages, const int64_t *lengths, const float *q,
-                        float *out, float scale, int64_t threads) {
+                        float *out, float scale, int64_t threads, int64_t window) {
     if (n_seg <= 0 || kv_heads <= 0 || group <= 0 || group > MAX_GROUP || head_dim <= 0
         || kv_heads * group > MAX_HEADS
-        || head_dim % 8 != 0 || head_dim > 8 * MAX_CHUNKS)
+        || head_dim % 8 != 0 || head_dim > 8 * MAX_CHUNKS || window < 0)
         return -1;
     int64_t max_length = 16;
     for (int64_t s = 0; s < n_seg; s++) {
@@ -295,7 +307,7 @@ int pd_decode_attention(int64_t n_seg, int64_t layer, int64_t kv_heads, int64_t 
     float *scratch = malloc(sizeof(float) * per_thread * threads);
     if (!scratch) return -1;
     job_t job = {n_seg, layer, kv_heads, group, head_dim, bases, page_tokens, page_stride,
-                 page_start, pages, lengths, q, out, scale};
+                 page_start, pages, lengths, q, out, scale, window};
     /* Each request is computed by one thread start to end: its bits do not depend on the
      * thread count or the schedule. With OpenMP (torch's own runtime: the library is
      * loaded into a process that has it) the threads are torch's pool, not extra ones

@@ -10,7 +10,8 @@
  *
  * Arguments, all validated by the caller (services/engine/native.py, `DecodeLayers`):
  *   step[]: the step's geometry and buffers, see enum below;
- *   weights[layer * 6 + i]: addresses of attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down.
+ *   weights[layer * 7 + i]: addresses of attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down,
+ *   and the q/k/v bias added after the qkv matmul (0: none).
  * Returns 0, or (stage << 8) | the failing kernel's status: 1 attn norm, 2 qkv, 3 rope/kv,
  * 4 attention, 5 o, 6 ffn norm, 7 gate/up, 8 silu, 9 down, 10 the final norm; nothing
  * after a failure runs.
@@ -21,7 +22,7 @@ int pd_decode_attention(int64_t n_seg, int64_t layer, int64_t kv_heads, int64_t 
                         int64_t head_dim, const int64_t *bases, const int64_t *page_tokens,
                         const int64_t *page_stride, const int64_t *page_start,
                         const int64_t *pages, const int64_t *lengths, const float *q,
-                        float *out, float scale, int64_t threads);
+                        float *out, float scale, int64_t threads, int64_t window);
 int pd_decode_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
                      float *out, int64_t threads);
 int pd_decode_rms_norm(float *x, const float *delta, int64_t m, int64_t dim,
@@ -42,6 +43,7 @@ enum {
     S_BASES, S_PAGE_TOKENS, S_PAGE_STRIDE, S_PAGE_START, S_PAGES, S_LENGTHS, /* attention */
     S_NORM,     /* [dim] the final norm's weight */
     S_HIDDEN,   /* [m][dim] out: the final norm of the residual stream */
+    S_WINDOW,   /* the sliding window in keys (0: none) */
     S_COUNT
 };
 
@@ -63,9 +65,12 @@ int pd_decode_layers(const int64_t *step, const int64_t *weights, float eps, flo
     int status;
 #define RUN(stage, call) if ((status = (call)) != 0) return ((stage) << 8) | (status & 0xff)
     for (int64_t layer = 0; layer < layers; layer++) {
-        const float *const *w = (const float *const *)(weights + 6 * layer);
+        const float *const *w = (const float *const *)(weights + 7 * layer);
         RUN(1, pd_decode_rms_norm(x, layer == 0 ? 0 : delta, m, dim, w[0], eps, h));
         RUN(2, pd_decode_linear(h, m, dim, w[1], qkv_dim, qkv, threads));
+        if (w[6])  /* one add per value, as torch's qkv + bias */
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t j = 0; j < qkv_dim; j++) qkv[r * qkv_dim + j] += w[6][j];  /* guard: qkv-bias-native */
         RUN(3, pd_decode_rope_kv(qkv, m, heads, kv_heads, hd, PTR(const int64_t *, S_POSITIONS),
                                  PTR(const float *, S_COS), PTR(const float *, S_SIN),
                                  step[S_TABLE_ROWS], q, targets + layer * 2 * m,
@@ -77,7 +82,7 @@ int pd_decode_layers(const int64_t *step, const int64_t *weights, float eps, flo
                                    PTR(const int64_t *, S_PAGE_START),
                                    PTR(const int64_t *, S_PAGES),
                                    PTR(const int64_t *, S_LENGTHS), q, attn, scale,
-                                   threads < 16 ? threads : 16));
+                                   threads < 16 ? threads : 16, step[S_WINDOW]));
         RUN(5, pd_decode_linear(attn, m, q_dim, w[2], dim, delta, threads));
         RUN(6, pd_decode_rms_norm(x, delta, m, dim, w[3], eps, h));
         RUN(7, pd_decode_linear(h, m, dim, w[4], 2 * ffn, gate_up, threads));
