@@ -30,7 +30,9 @@ one flat JSON object (the last stdout line with `--json`):
   `tpot_s`, `output_tok_s` and server `pdmesh`, `llamacpp` (and `colocated`);
 - `<metric>_ratio_<workload>`: pdmesh / llamacpp of those medians (`..._colocated`: the
   colocated mesh's). Above 1 is slower for the times, faster for `output_tok_s`;
-- `prompt_tokens_<workload>_<server>`, `runs_<workload>` (runs done), `error_<workload>`
+- `prompt_tokens_<workload>_<server>`, `chunks_per_token_<workload>_<server>` (text
+  chunks / output tokens, the lowest run's: below 1, some chunks carried several tokens and
+  the ITL counts their gaps only), `runs_<workload>` (runs done), `error_<workload>`
   for a workload that failed (exit status 1), `skipped` (workloads the budget left out);
 - the machine's load average at the start and the end, the binary, its version line, the
   llama.cpp flags, the GGUF.
@@ -359,6 +361,7 @@ class RunFigures:
     tpot_s: float
     output_tok_s: float
     prompt_tokens: int | None
+    chunks_per_token: float  # text chunks / tokens: 1.0 when every token is its own chunk
 
 
 def _check(label: str, reply: Reply, prompt_len: int, max_tokens: int) -> None:
@@ -395,7 +398,8 @@ async def one_run(session: aiohttp.ClientSession, endpoint: Endpoint,
         tpot_s=statistics.median((r.e2e_s - r.ttft_s) / (n - 1)
                                  for r, n in zip(replies, tokens, strict=True)),
         output_tok_s=sum(tokens) / wall,
-        prompt_tokens=replies[0].prompt_tokens)
+        prompt_tokens=replies[0].prompt_tokens,
+        chunks_per_token=sum(r.chunks for r in replies) / sum(tokens))
 
 
 def summarize(workload: Workload, figures: dict[str, list[RunFigures]],
@@ -408,6 +412,7 @@ def summarize(workload: Workload, figures: dict[str, list[RunFigures]],
         for metric, value in medians[label].items():
             report[f"{metric}_{key}_{label}"] = value
         report[f"prompt_tokens_{key}_{label}"] = runs[0].prompt_tokens
+        report[f"chunks_per_token_{key}_{label}"] = min(r.chunks_per_token for r in runs)
     report[f"runs_{key}"] = min(len(runs) for runs in figures.values())
     ref = medians.get(REFERENCE)
     for label in [label for label in medians if ref and label != REFERENCE]:
