@@ -430,7 +430,10 @@ async def bench(endpoints: Sequence[Endpoint], workloads: Sequence[Workload], ru
     random token-id prompts each run, the same to every endpoint; figures into `report`."""
     rng = random.Random(f"bench-llamacpp-{seed}")
     low, high = token_range
-    async with aiohttp.ClientSession() as session:
+    # A fresh connection per request: a pooled one that the server closed while idle
+    # (cpp-httplib's keep-alive timeout is 5 s) would fail the next request sent on it.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)
+                                     ) as session:
         for endpoint in endpoints:  # first calls pay for lazy set-up: not measured
             await one_run(session, endpoint, [[rng.randint(low, high) for _ in range(32)]],
                           4, WARMUP_TIMEOUT_S)
