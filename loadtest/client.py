@@ -98,7 +98,8 @@ class Reply:
     e2e_s: float = 0.0
 
 
-def request_body(cfg: ClientConfig, prompt: str, max_tokens: int) -> dict:
+def request_body(cfg: ClientConfig, prompt: str | list[int], max_tokens: int) -> dict:
+    """The request's JSON body; a completions `prompt` may be token ids."""
     body: dict = {"model": cfg.model, "max_tokens": max_tokens,
                   "temperature": cfg.temperature, "stream": cfg.stream}
     if cfg.endpoint == "chat":
@@ -150,7 +151,7 @@ def _apply_usage(reply: Reply, payload: dict) -> None:
             reply.completion_tokens = usage["completion_tokens"]
 
 
-async def exchange(session: aiohttp.ClientSession, cfg: ClientConfig, prompt: str,
+async def exchange(session: aiohttp.ClientSession, cfg: ClientConfig, prompt: str | list[int],
                    max_tokens: int, headers: Mapping[str, str] | None = None, *,
                    abort_after_chunks: int = 0, stop_at_error: bool = False) -> Reply:
     """Send one request and record what came back: the one OpenAI client (JSON or SSE) of
