@@ -62,6 +62,7 @@ BENCH = {
     "disagg": "pdmesh.loadtest.bench.disagg",
     "fairness": "pdmesh.loadtest.bench.fairness",
     "structured": "pdmesh.loadtest.bench.structured",
+    "serving": "pdmesh.loadtest.bench.serving",
 }
 PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak.run",
                "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.ops.natsauth",
