@@ -8,13 +8,18 @@ mesh, the order of the meshes alternating), it measures:
 - the in-process decode step at batch 1 (`Engine.decode_step` over a paged lease holding
   a `--prompt-len` prompt, for `--max-tokens` steps: the contexts a served request decodes
   at), with the greedy sampler's pick (`step_ms`, `step_sample_ms`);
+- the CPU time of those steps (`step_cpu_ms`: this process, every thread, per step);
 - one streamed completion per mesh at concurrency 1 (`--prompt-len` random prompt tokens,
   `--max-tokens` output tokens, greedy, `ignore_eos`): the gaps between its SSE chunks as
   this client reads them (`itl_ms_<mesh>`: median over every gap of every run; the first
   chunk is time to first token, not a gap).
 
 It reports `itl_over_step_<mesh>` (served ITL / in-process step: what the serving path
-adds, 1.0 = none; target <= 1.2), the medians, each mesh's gateway ITL histogram mean
+adds, 1.0 = none; target <= 1.2), `cpu_over_step_<mesh>` (`cpu_ms_per_token_<mesh>`, the CPU
+time of every process of the mesh per output token, from /proc: a `--max-tokens` request's
+less a 1-token request's on another prompt of the same length, over the tokens between;
+/ `step_cpu_ms`: the CPU the serving path adds, which a loaded machine moves much less than
+the wall-clock ITL), the medians, each mesh's gateway ITL histogram mean
 (`gateway_itl_ms_<mesh>`), the runs done, the machine's load average at the start and end
 and the core count. The step is timed while the meshes are idle, in the same turns as the
 requests, so the machine's load falls on both alike; on a loaded machine take the median
@@ -89,13 +94,15 @@ class InProcess:
         self.pool = make_pool(self.loaded, num_pages=pages, page_tokens=16)
         self.engine = Engine(self.loaded, self.pool)
 
-    def steps(self, prompt: list[int]) -> tuple[list[float], list[float]]:
-        """Seconds of each decode step, and of each step with its greedy pick."""
+    def steps(self, prompt: list[int]) -> tuple[list[float], list[float], float]:
+        """Seconds of each decode step, of each step with its greedy pick, and the CPU
+        seconds (this process, every thread) of one step with its pick, on average."""
         pool, engine = self.pool, self.engine
         lease = pool.allocate("bench-serving", self.prompt_len + self.max_tokens + 1)
         try:
             token = int(torch.argmax(engine.prefill(lease, prompt)))
             step_s, sampled_s = [], []
+            cpu = time.process_time()
             for i in range(self.max_tokens - 1):
                 started_at = time.perf_counter()
                 logits = engine.decode_step([DecodeSlot(lease, token, self.prompt_len + i)])
@@ -103,7 +110,7 @@ class InProcess:
                 token = int(torch.argmax(logits[0].to(torch.float32)))
                 step_s.append(stepped_at - started_at)
                 sampled_s.append(time.perf_counter() - started_at)
-            return step_s, sampled_s
+            return step_s, sampled_s, (time.process_time() - cpu) / len(step_s)
         finally:
             pool.release(lease, "bench")
 
@@ -133,11 +140,14 @@ def run(args: argparse.Namespace, report: dict[str, object]) -> None:
                   for label, colocated in (("mesh", False), ("colocated", True))
                   if label in args.meshes]
         for server in meshes:  # first calls pay for lazy set-up: not measured
-            stream_gaps(server, args.model, [rng.randint(low, high) for _ in range(64)], 8,
+            stream_gaps(server, args.model, [rng.randint(low, high)
+                                             for _ in range(min(64, args.prompt_len))], 2,
                         REQUEST_TIMEOUT_S)
         engine.steps([rng.randint(low, high) for _ in range(args.prompt_len)])
         steps: list[float] = []
         sampled: list[float] = []
+        step_cpu: list[float] = []
+        token_cpu: dict[str, list[float]] = {s.label: [] for s in meshes}
         gaps: dict[str, list[float]] = {s.label: [] for s in meshes}
         per_run: dict[str, list[float]] = {s.label: [] for s in meshes}
         itl_sum: dict[str, float] = {s.label: 0.0 for s in meshes}
@@ -147,14 +157,25 @@ def run(args: argparse.Namespace, report: dict[str, object]) -> None:
             if time.monotonic() > budget_end:
                 break
             prompt = [rng.randint(low, high) for _ in range(args.prompt_len)]
-            step_s, sampled_s = engine.steps(prompt)
+            step_s, sampled_s, cpu_s = engine.steps(prompt)
             steps += step_s
             sampled += sampled_s
+            step_cpu.append(cpu_s)
             order = meshes if turn % 2 == 0 else meshes[::-1]
             for server in order:
+                # The CPU a token costs the mesh: a request of max_tokens less one of 1
+                # token (another prompt of the same length: no prefix-cache hit), per token.
+                cpu = server.cpu_s()
+                stream_gaps(server, args.model, [rng.randint(low, high)
+                                                 for _ in range(args.prompt_len)], 1,
+                            REQUEST_TIMEOUT_S)
+                prefill_cpu = server.cpu_s() - cpu
                 before = _gateway_itl(server)
+                cpu = server.cpu_s()
                 got = stream_gaps(server, args.model, prompt, args.max_tokens,
                                   REQUEST_TIMEOUT_S)
+                token_cpu[server.label].append((server.cpu_s() - cpu - prefill_cpu)
+                                               / (args.max_tokens - 1))
                 after = _gateway_itl(server)
                 gaps[server.label] += got
                 per_run[server.label].append(statistics.median(got) if got else 0.0)
@@ -164,10 +185,12 @@ def run(args: argparse.Namespace, report: dict[str, object]) -> None:
     if not done:
         raise RuntimeError("no turn ran within --budget-s")
     step_ms = 1000 * statistics.median(steps)
+    step_cpu_ms = 1000 * statistics.median(step_cpu)
     report.update(model=engine.loaded.name, prompt_tokens=args.prompt_len,
                   output_tokens=args.max_tokens, runs=done,
                   torch_threads=torch.get_num_threads(), step_ms=step_ms,
-                  step_sample_ms=1000 * statistics.median(sampled))
+                  step_sample_ms=1000 * statistics.median(sampled),
+                  step_cpu_ms=step_cpu_ms)
     for label, got in gaps.items():
         itl_ms = 1000 * statistics.median(got) if got else None
         report[f"itl_ms_{label}"] = itl_ms
@@ -176,6 +199,9 @@ def run(args: argparse.Namespace, report: dict[str, object]) -> None:
         report[f"gateway_itl_ms_{label}"] = (1000 * itl_sum[label] / itl_count[label]
                                              if itl_count[label] else None)
         report[f"chunks_{label}"] = len(got) + done
+        cpu_ms = 1000 * statistics.median(token_cpu[label])
+        report[f"cpu_ms_per_token_{label}"] = cpu_ms
+        report[f"cpu_over_step_{label}"] = cpu_ms / step_cpu_ms
 
 
 def main(argv: list[str] | None = None) -> int:
