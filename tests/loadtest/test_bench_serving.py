@@ -15,6 +15,7 @@ from tests.support.meshproc import REPO
 BENCH = [sys.executable, "-m", "pdmesh.services.ops.cli", "bench", "serving"]
 
 
+@pytest.mark.slow
 def test_bench_serving_reports_itl_over_step() -> None:
     res = subprocess.run([*BENCH, "--model", "tiny", "--prompt-len", "32", "--max-tokens",
                           "8", "--runs", "1", "--meshes", "colocated", "--budget-s", "120",
