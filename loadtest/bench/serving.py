@@ -7,7 +7,7 @@ mesh, the order of the meshes alternating), it measures:
 
 - the in-process decode step at batch 1 (`Engine.decode_step` over a paged lease holding
   a `--prompt-len` prompt, for `--max-tokens` steps: the contexts a served request decodes
-  at), with the greedy sampler's pick (`step_ms`, `step_sample_ms`);
+  at), and with the greedy pick of the sampler the mesh runs (`step_ms`, `step_sample_ms`);
 - the CPU time of those steps (`step_cpu_ms`: this process, every thread, per step);
 - one streamed completion per mesh at concurrency 1 (`--prompt-len` random prompt tokens,
   `--max-tokens` output tokens, greedy, `ignore_eos`): the gaps between its SSE chunks as
@@ -47,6 +47,7 @@ from pdmesh.loadtest.bench import print_report
 from pdmesh.loadtest.bench.disagg import API_KEY, TOKEN_RANGE, Server, started
 from pdmesh.services.engine.models import load_model
 from pdmesh.services.engine.runner import DecodeSlot, Engine, make_pool
+from pdmesh.services.engine.sampling import Sampler, SamplingParams
 
 ITL = "pdmesh:inter_token_latency_seconds"
 REQUEST_TIMEOUT_S = 300.0
@@ -100,14 +101,15 @@ class InProcess:
         pool, engine = self.pool, self.engine
         lease = pool.allocate("bench-serving", self.prompt_len + self.max_tokens + 1)
         try:
-            token = int(torch.argmax(engine.prefill(lease, prompt)))
+            greedy = Sampler(SamplingParams(max_tokens=self.max_tokens))  # the mesh's pick
+            token = greedy.sample(engine.prefill(lease, prompt))
             step_s, sampled_s = [], []
             cpu = time.process_time()
             for i in range(self.max_tokens - 1):
                 started_at = time.perf_counter()
                 logits = engine.decode_step([DecodeSlot(lease, token, self.prompt_len + i)])
                 stepped_at = time.perf_counter()
-                token = int(torch.argmax(logits[0].to(torch.float32)))
+                token = greedy.sample(logits[0])
                 step_s.append(stepped_at - started_at)
                 sampled_s.append(time.perf_counter() - started_at)
             return step_s, sampled_s, (time.process_time() - cpu) / len(step_s)
