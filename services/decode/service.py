@@ -578,13 +578,13 @@ class DecodeService(WorkerBase):
         else:
             self.pool.release(lease, outcome.label)
         self.releases.labels(outcome.label).inc()
+        if dreq.untold is not None and event is None:  # its last token before its end
+            untold, dreq.untold = dreq.untold[0], None
+            await self.tell(dreq, untold)
         self.requests.pop(dreq.request_id, None)
         if dreq.span is not None:
             self._trace_end(dreq, outcome, quarantine)
         if not dreq.quiet:
-            if dreq.untold is not None and event is None:  # its last token first
-                untold, dreq.untold = dreq.untold[0], None
-                await self.tell(dreq, untold)
             if self.trace is not None:  # the request's terminal event, after its release
                 self.trace.emit("tell", req=dreq.request_id, lease=dreq.reservation_id,
                                 kind=outcome.code.kind.name.lower(), code=outcome.label)
