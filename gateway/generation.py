@@ -322,6 +322,7 @@ class Generation:
         """Read the choice's current stream to its end, streaming chunks as they come."""
         gw = self.gw
         min_tokens = self.body.min_tokens
+        itl = gw.metrics.itl.labels(gw.model_name, self.tenant.tenant_id)
         async for ev in gw.mesh.tokens(c.sub, gw.cfg.prefill_stall_s, gw.cfg.request_timeout_s,
                                        self._alive, self._dead_worker):
             now = time.monotonic()
@@ -343,8 +344,7 @@ class Generation:
                     gw.metrics.waiting.labels(gw.model_name).dec()
                     gw.metrics.running.labels(gw.model_name).inc()
             else:
-                gw.metrics.itl.labels(gw.model_name, self.tenant.tenant_id).observe(
-                    now - (c.last_at or now))
+                itl.observe(now - (c.last_at or now))
             c.last_at = now
             c.completion_tokens += len(ev.token_ids)
             if self.want_logprobs:

@@ -375,10 +375,14 @@ class MeshClient:
                 if gone and sub.events.empty():
                     raise MeshFailed(m.Outcome(code=m.Code.WORKER_LOST, worker=gone,
                                                detail=f"worker {gone} stopped heartbeating"))
-            try:
-                ev = await asyncio.wait_for(sub.events.get(), max(next_check - now, 0.001))
-            except TimeoutError:
-                continue
+            if not sub.events.empty():  # already here: no timer
+                ev = sub.events.get_nowait()
+            else:
+                try:  # (asyncio.timeout, not wait_for: no task per event)
+                    async with asyncio.timeout(max(next_check - now, 0.001)):
+                        ev = await sub.events.get()
+                except TimeoutError:
+                    continue
             last_event = loop.time()
             match ev:
                 case m.StreamFailed(outcome=outcome):

@@ -77,6 +77,9 @@ class DecodeRequest:
     progress_done: int = 0  # the prompt tokens prefill last reported computed
     span: Any = None  # decode.request, reservation to the last event (tracing.py; None: off)
     gen_span: Any = None  # decode.generate, first token to last
+    # The last step's token, recorded but not yet published, and the lease to free with it
+    # when it is the last (`_decode_loop` publishes it while the next step runs).
+    untold: tuple[m.TokenEvent, Lease | None] | None = None
 
     def __post_init__(self) -> None:
         self.lifecycle = Lifecycle(self.ticket.request_id, RequestState.RESERVED)
@@ -419,6 +422,12 @@ class DecodeService(WorkerBase):
                     committed_at: float | None = None) -> None:
         """Record and publish one token; finish the request when it is the last. The first
         carries decode's own share of the time to first token (from `committed_at`)."""
+        event, lease = self._record(dreq, token, committed_at)
+        await self._tell_token(dreq, event, lease)
+
+    def _record(self, dreq: DecodeRequest, token: int, committed_at: float | None = None
+                ) -> tuple[m.TokenEvent, Lease | None]:
+        """Record one token: its event, and the lease to free when it ends the request."""
         dreq.generated.append(token)
         self.tokens_out.inc()
         finish: m.Outcome | None = None
@@ -432,16 +441,35 @@ class DecodeService(WorkerBase):
                              decode_first_token_s=None if committed_at is None
                              else time.monotonic() - committed_at)
         dreq.seq += 1
-        lease = dreq.finish(finish) if finish is not None else None
+        return event, dreq.finish(finish) if finish is not None else None
+
+    async def _tell_token(self, dreq: DecodeRequest, event: m.TokenEvent,
+                          lease: Lease | None) -> None:
         if lease is not None:
             await self.conclude(dreq, lease, event)
         else:
             await self.tell(dreq, event)
 
+    async def _tell_untold(self, batch: list[DecodeRequest]) -> None:
+        """Publish the tokens of the last step that are not out yet (in batch order)."""
+        for r in batch:
+            if r.untold is not None:
+                (event, lease), r.untold = r.untold, None
+                await self._tell_token(r, event, lease)
+
     async def _decode_loop(self) -> None:
+        """One engine step after another. A step's tokens are sampled and recorded as soon
+        as it ends, so the next step starts at once; their events are published while that
+        next step runs (a request ended meanwhile gets its last token out before its end:
+        `conclude`)."""
+        told: list[DecodeRequest] = []  # the last step's requests, their tokens not yet out
         while True:
             batch = self.scheduler.next_batch()
             if not batch:
+                if told:
+                    await self._tell_untold(told)
+                    told = []
+                    continue
                 self._work.clear()
                 await self._work.wait()
                 continue
@@ -451,8 +479,11 @@ class DecodeService(WorkerBase):
                 r.pinned = True
             step = asyncio.ensure_future(self.compute(self.engine.decode_step, slots))
             await asyncio.sleep(0)  # the step is on the engine thread: meanwhile, ...
+            if told:  # ... the last step's tokens go out, ...
+                await self._tell_untold(told)
+                told = []
             for r in batch:
-                r.sampler.prepare()  # ... the structured outputs' grammar masks
+                r.sampler.prepare()  # ... and the structured outputs' grammar masks
             try:
                 logits = await step
             except Exception as exc:
@@ -466,8 +497,11 @@ class DecodeService(WorkerBase):
                 if lease is not None:  # ended during the step (or by it)
                     await self.conclude(r, lease)
                 elif logits is not None:
-                    await self._emit(r, r.sampler.sample(logits[i]))
-            await asyncio.sleep(0)  # let transport and NATS callbacks run between steps
+                    event, lease = self._record(r, r.sampler.sample(logits[i]))
+                    if lease is not None:  # its last token: not in the next step
+                        self.scheduler.discard(r)
+                    r.untold = (event, lease)
+                    told.append(r)
 
     # -- ending -------------------------------------------------------------------------
     async def _on_release(self, msg: m.ToDecode, raw: Msg) -> None:
@@ -544,6 +578,9 @@ class DecodeService(WorkerBase):
         else:
             self.pool.release(lease, outcome.label)
         self.releases.labels(outcome.label).inc()
+        if dreq.untold is not None and event is None:  # its last token before its end
+            untold, dreq.untold = dreq.untold[0], None
+            await self.tell(dreq, untold)
         self.requests.pop(dreq.request_id, None)
         if dreq.span is not None:
             self._trace_end(dreq, outcome, quarantine)

@@ -173,7 +173,10 @@ class Sampler:
         raw = logits.detach().to("cpu", torch.float32)
         logits = self._process(raw)
         if p.temperature == 0.0:
-            token = int(torch.argmax(logits))
+            # numpy's argmax: torch's meaning (the first maximum; a NaN counts as one) in one
+            # thread; torch splits a vocabulary-long reduction over its OpenMP team, ~20x
+            # slower on 2 busy cores (and this pick lies between two decode steps).
+            token = int(logits.numpy().argmax())
         else:
             # Mix seed and index (splitmix-style) so nearby seeds give unrelated streams.
             self.generator.manual_seed((self.seed * 0x9E3779B97F4A7C15 + self.index)

@@ -63,6 +63,7 @@ BENCH = {
     "fairness": "pdmesh.loadtest.bench.fairness",
     "structured": "pdmesh.loadtest.bench.structured",
     "llamacpp": "pdmesh.loadtest.bench.llamacpp",
+    "serving": "pdmesh.loadtest.bench.serving",
 }
 PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak.run",
                "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.ops.natsauth",
