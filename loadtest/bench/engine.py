@@ -110,6 +110,8 @@ def weights_stream(w: ModelWeights) -> float:
         tensors.extend(vars(layer).values())
     seen, total = set(), 0.0
     for t in tensors:
+        if t is None:  # a bias the model does not have
+            continue
         key = (t.data_ptr(), t.shape)
         if key not in seen:
             seen.add(key)
