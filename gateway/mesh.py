@@ -50,6 +50,9 @@ LOOP_LAG_S = 0.5  # a loop tick this late: the gateway was not processing its me
 FLUSH_TIMEOUT_S = 1.0  # the round trip that reads what NATS already sent, before a verdict
 DRAIN_YIELDS = 3  # loop turns given to queued heartbeat callbacks after that round trip
 MAX_HEARD = 4096  # worker ids remembered for liveness before the silent ones are forgotten
+# How long decode's first token (which carries no logprobs) waits for prefill's report of it
+# when the request asked for logprobs: the two come from different workers.
+FIRST_REPORT_WAIT_S = 5.0
 
 
 class MeshRejected(Exception):
@@ -202,6 +205,7 @@ class Submission:
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation ...
     min_tokens: int = 0  # ... once this many are out
     first_token_id: int | None = None  # what prefill sampled (FirstTokenLogprobs)
+    wants_first_report: bool = False  # logprobs asked for: prefill reports the first token
     # The prompt's own logprobs by position (PromptLogprobs; echo with logprobs), taken only
     # for positions 1 .. prompt_len - 1 (a misbehaving prefill's others are dropped).
     prompt_logprobs: dict[int, tuple[float, list[tuple[int, float]]]] = field(
@@ -261,7 +265,8 @@ class MeshClient:
                 state = Submission(request_id=choice.request_id, events=asyncio.Queue(),
                                    max_tokens=req.max_tokens, stop_ids=stop_ids,
                                    min_tokens=req.sampling.min_tokens,
-                                   prompt_len=len(req.prompt_ids))
+                                   prompt_len=len(req.prompt_ids),
+                                   wants_first_report=choice.sampling.logprobs is not None)
                 state.nats_sub = await self._listen(state, choice.stream_key)
                 held.append(state)
                 self._inflight[choice.request_id] = state
@@ -359,12 +364,16 @@ class MeshClient:
         next_check = last_event + POLL_S
         expected_seq = 0
         pending: dict[int, m.TokenEvent] = {}
+        report_by: float | None = None  # seq 0 held for prefill's first-token report until
         while True:
             now = loop.time()
             limit_s = idle_s if sub.got_first_token else stall_s
             # Only with nothing queued: a slow loop must not blame the mesh for its delay.
             if now - last_event >= limit_s and sub.events.empty():
                 raise RequestStalled(sub, now - last_event)
+            if report_by is not None and now >= report_by:
+                raise MeshFailed(m.Outcome(code=m.Code.INTERNAL, detail=(
+                    "prefill's report of the first token (its logprobs) did not come")))
             if now >= next_check:
                 next_check = now + POLL_S
                 if not alive():
@@ -378,8 +387,9 @@ class MeshClient:
             if not sub.events.empty():  # already here: no timer
                 ev = sub.events.get_nowait()
             else:
+                wake = next_check if report_by is None else min(next_check, report_by)
                 try:  # (asyncio.timeout, not wait_for: no task per event)
-                    async with asyncio.timeout(max(next_check - now, 0.001)):
+                    async with asyncio.timeout(max(wake - now, 0.001)):
                         ev = await sub.events.get()
                 except TimeoutError:
                     continue
@@ -396,9 +406,12 @@ class MeshClient:
                     sub.cached_tokens = max(sub.cached_tokens, cached)
                     continue
                 case m.FirstTokenLogprobs(token_id=token_id, logprobs=logprobs):
-                    # Prefill's logprobs of the first token (decode's seq 0 carries none).
+                    # Prefill's logprobs of the first token (decode's seq 0 carries none);
+                    # a seq 0 held for it goes on below.
                     sub.first_token_id, sub.first_logprobs = token_id, logprobs
-                    continue
+                case m.TokenEvent():
+                    pending[ev.seq] = ev
+                    sub.got_first_token = True
                 case m.PrefillProgress(done_tokens=done, total_tokens=total):
                     sub.progress = (done, total)  # its arrival is what keeps us waiting
                     continue
@@ -408,9 +421,12 @@ class MeshClient:
                 case m.PromptLogprobs():
                     _take_prompt_logprobs(sub, ev)
                     continue
-            pending[ev.seq] = ev
-            sub.got_first_token = True
             while expected_seq in pending:
+                if self._unreported(sub, pending, expected_seq):  # guard: first-report-wait
+                    if report_by is None:
+                        report_by = loop.time() + FIRST_REPORT_WAIT_S
+                    break
+                report_by = None
                 cur = self._held_to_the_request(sub, pending.pop(expected_seq), expected_seq)
                 expected_seq += 1
                 if cur.finish is not None and not sub.overstepped:
@@ -437,6 +453,17 @@ class MeshClient:
             if isinstance(ev, m.PromptLogprobs):
                 _take_prompt_logprobs(sub, ev)
         return [sub.prompt_logprobs[i] for i in range(1, prompt_len)]
+
+    @staticmethod
+    def _unreported(sub: Submission, pending: dict[int, m.TokenEvent], seq: int) -> bool:
+        """Decode's first token, without logprobs, when the request asked for them and
+        prefill's report (FirstTokenLogprobs: the token it sampled, its logprobs) is not in
+        yet: prefill and decode publish from different connections, so decode's event may
+        come first. It is held until the report comes (then the token is checked against
+        it, and its logprobs are the reply's) or FIRST_REPORT_WAIT_S passed (a failure:
+        the reply would lack them)."""
+        return (seq == 0 and sub.wants_first_report and sub.first_token_id is None
+                and not pending[seq].logprobs)
 
     def _held_to_the_request(self, sub: Submission, ev: m.TokenEvent,
                              seq: int) -> m.TokenEvent:

@@ -798,6 +798,14 @@ MUTATIONS = [
     Mutation("first-token-agrees", "decode's first token must be the one prefill sampled",
              (Condition("first-token-agrees", "False"),),
              (ISO + "test_containment.py::test_decode_must_start_with_the_token_prefill_sampled",)),
+    Mutation("first-report-wait", "decode's first token waits for prefill's report of it "
+             "when logprobs were asked for (the token is checked against it, its logprobs "
+             "are the reply's)",
+             (Condition("first-report-wait", "False"),),
+             (ISO + "test_containment.py::test_decode_must_start_with_the_token_prefill_sampled"
+              "[report-late]",
+              ISO + "test_containment.py::"
+              "test_a_first_token_report_after_decodes_token_still_gives_its_logprobs")),
     Mutation("progress-advances", "progress keeps a reservation only while it advances (or "
              "the request is still queued)",
              (Condition("progress-advances", "True"),),

@@ -27,6 +27,7 @@ import aiohttp
 import nats
 import pytest
 
+from pdmesh.gateway import mesh as gateway_mesh
 from pdmesh.gateway.app import Gateway
 from pdmesh.services.admission.service import AdmissionService
 from pdmesh.services.ops import natsauth
@@ -38,6 +39,7 @@ from tests.support.meshproc import NatsServer
 pytestmark = pytest.mark.slow
 TOKENS = list(range(100, 112))  # what the honest decode answers with (tiny: 258 ids)
 INJECTED = list(range(150, 178))  # what pre-2 tries to put in alice's answer
+REPORTED_LP = -0.25  # the logprob prefill reports for the first token
 
 
 @dataclass
@@ -52,7 +54,9 @@ class Lab:
     reserved: asyncio.Event = field(default_factory=asyncio.Event)
     # How the honest decode answers a reservation: (reserve request) -> events to publish.
     answer: Callable[[m.ReserveRequest], list[m.StreamEvent]] | None = None
-    first_token_logprobs: bool = False  # the honest prefill reports the first token
+    # How the honest prefill reports the first token it sampled (FirstTokenLogprobs): (that
+    # token, seconds after the dispatch); decode answers 0.4 s after the reservation.
+    first_report: tuple[int, float] | None = None
 
     @property
     def base(self) -> str:
@@ -133,12 +137,19 @@ async def lab(tmp_path: Path) -> AsyncIterator[Lab]:
 
     async def on_dispatch(msg) -> None:
         d = m.Decoder(m.PrefillDispatch).decode(msg.subject, msg.data)
-        if state.first_token_logprobs:
+        if state.first_report is not None:
+            token, after_s = state.first_report
             subject, key = m.tokens_subject(d.ticket.request_id), streamauth.parse_key(
                 d.stream_key)
             data = m.encode(m.FirstTokenLogprobs(request_id=d.ticket.request_id,
-                                                 token_id=TOKENS[0] + 1))
-            await pre.publish(subject, data, headers=streamauth.sign(key, subject, data))
+                                                 token_id=token,
+                                                 logprobs=[(REPORTED_LP, [(token, REPORTED_LP)])]))
+
+            async def report() -> None:
+                await asyncio.sleep(after_s)
+                await pre.publish(subject, data, headers=streamauth.sign(key, subject, data))
+
+            tasks.append(asyncio.ensure_future(report()))
 
     await dec.subscribe(m.reserve_subject("dec-1"), cb=on_reserve)
     await pre.subscribe(m.dispatch_subject("pre-1"), cb=on_dispatch)
@@ -267,15 +278,45 @@ async def test_the_gateway_holds_decode_to_max_tokens(tmp_path: Path) -> None:
         assert lb.refused(lb.gateway, "over_max_tokens") == 1
 
 
-async def test_decode_must_start_with_the_token_prefill_sampled(tmp_path: Path) -> None:
+@pytest.mark.parametrize("report_after_s", [0.0, 0.8], ids=["report-first", "report-late"])
+async def test_decode_must_start_with_the_token_prefill_sampled(tmp_path: Path,
+                                                                report_after_s: float) -> None:
     """Prefill reports first token T+1 with its logprobs, decode's seq 0 carries T: the
-    request fails instead of answering with a first token nobody sampled."""
+    request fails instead of answering with a first token nobody sampled, also when
+    prefill's report comes after decode's token."""
     async with lab(tmp_path) as lb:
-        lb.first_token_logprobs = True
+        lb.first_report = (TOKENS[0] + 1, report_after_s)
         status, body = await lb.post({"prompt": "What is 2+2?", "max_tokens": len(TOKENS),
                                       "logprobs": 1})
         assert status >= 500, body
         assert lb.refused(lb.gateway, "first_token_mismatch") == 1
+
+
+async def test_a_first_token_report_after_decodes_token_still_gives_its_logprobs(
+        tmp_path: Path) -> None:
+    """Prefill's report of the first token (its logprobs) arrives after decode's seq 0
+    (different workers, different connections): the reply still carries the first token's
+    logprobs (lm-eval's loglikelihood reads the sum of those it gets)."""
+    async with lab(tmp_path) as lb:
+        lb.first_report = (TOKENS[0], 0.8)
+        status, body = await lb.post({"prompt": "What is 2+2?", "max_tokens": len(TOKENS),
+                                      "logprobs": 1})
+        assert status == 200, body
+        lp = body["choices"][0]["logprobs"]
+        # the lab's decode sends no logprobs for its own tokens: only the reported one
+        assert lp["token_logprobs"] == [REPORTED_LP], lp
+
+
+async def test_a_first_token_report_that_never_comes_fails_the_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logprobs asked for and prefill never reports the first token: a clear 5xx after
+    FIRST_REPORT_WAIT_S, not a reply whose logprobs silently lack the first token."""
+    monkeypatch.setattr(gateway_mesh, "FIRST_REPORT_WAIT_S", 1.0)
+    async with lab(tmp_path) as lb:
+        status, body = await lb.post({"prompt": "What is 2+2?", "max_tokens": len(TOKENS),
+                                      "logprobs": 1})
+        assert status == 502, body
+        assert "first token" in body["error"]["message"], body
 
 
 async def test_the_gateway_ends_the_stream_at_a_stop_token(tmp_path: Path) -> None:
