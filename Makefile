@@ -65,7 +65,7 @@ test-long: $(VENV)/.installed-test
 	  tests/gateway/test_long_context.py tests/prefill/test_long_prompts.py \
 	  tests/gateway/test_liveness_mesh.py tests/loadtest/test_bench_disagg.py \
 	  tests/loadtest/test_bench_fairness.py tests/gateway/test_structured_smollm2.py \
-	  tests/gateway/test_lm_eval.py $(ARGS)
+	  tests/gateway/test_lm_eval.py tests/gateway/test_quantized_mesh.py $(ARGS)
 
 ## make test-chaos: pdmesh soak for 3 minutes against a 2-prefill 2-decode mesh while a
 ## seeded killer SIGTERMs or SIGKILLs a worker every 15-30 s and `pdmesh up` restarts it:

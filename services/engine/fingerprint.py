@@ -10,6 +10,7 @@ fingerprint. The parts, joined by "|":
                            config.json and *.safetensors (the digest of their digests);
     tiny:<12 hex>          or the seeded `tiny` model's weights and config
     native-step:<12 hex>   the decode path (README "Decode paths") and, on a native one,
+    native-step-q:<12 hex> (decode on the GGUF's quantized blocks: PDMESH_QUANTIZED_DECODE)
     native-attn:<12 hex>   the SHA-256 of the kernel library loaded (its build: sources,
     torch                  compiler, flags, the CPU it was built for)
     torch-<version>        torch.__version__ (its kernels, its RNG for `tiny`)
@@ -105,7 +106,10 @@ def decode_path(llama: LlamaModel) -> str:
     """`native-step:<hex>`, `native-attn:<hex>` or `torch`: the decode path the model
     takes (fixed per model at start) and, on a native one, its library's digest."""
     if llama.native_linear():
-        return f"native-step:{kernels_digest()[:DIGEST_CHARS]}"
+        quantized = llama.quantized is not None and (
+            llama._native_layers().quantized > 0 or llama.quantized.lm_head is not None)
+        kind = "native-step-q" if quantized else "native-step"  # guard: fingerprint-quantized
+        return f"{kind}:{kernels_digest()[:DIGEST_CHARS]}"
     if native.usable(llama.device, llama.dtype):
         return f"native-attn:{kernels_digest()[:DIGEST_CHARS]}"
     return "torch"

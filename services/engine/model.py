@@ -136,11 +136,32 @@ class PreparedWeights:
 
 
 @dataclass
+class QuantizedWeights:
+    """The quantized blocks a GGUF stores (`ModelWeights.quantized`); a matrix it stores in
+    another type is absent and stays fp32."""
+
+    layers: list[dict[str, native.QuantMatrix]]  # by LayerWeights name: wq, wk, ... w_down
+    lm_head: native.QuantMatrix | None = None
+
+    def fused(self) -> list[dict[str, native.QuantMatrix | None]]:
+        """Per layer, the fused matmuls (`native.QUANT_MATMULS`) whose parts are all
+        quantized alike."""
+        return [{"wqkv": native.QuantMatrix.cat([q.get("wq"), q.get("wk"), q.get("wv")]),
+                 "wo": q.get("wo"),
+                 "w_gate_up": native.QuantMatrix.cat([q.get("w_gate"), q.get("w_up")]),
+                 "w_down": q.get("w_down")} for q in self.layers]
+
+
+@dataclass
 class ModelWeights:
     embed: torch.Tensor  # [vocab, dim]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [dim]
     lm_head: torch.Tensor  # [vocab, dim] (may be the same tensor as embed)
+    # A GGUF's own blocks of the matrices it stores as Q4_0 / Q4_1 / Q8_0, loaded only with
+    # PDMESH_QUANTIZED_DECODE=on: per layer by LayerWeights name (wq .. w_down), and
+    # "lm_head"; decode's matmuls run on them (native.linear_q), everything else on fp32.
+    quantized: QuantizedWeights | None = field(default=None, repr=False, compare=False)
     _prepared: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to(self, device: str | torch.device, dtype: torch.dtype = torch.float32
@@ -150,7 +171,8 @@ class ModelWeights:
 
         layers = [LayerWeights(**{k: move(v) for k, v in vars(layer).items()})
                   for layer in self.layers]
-        return ModelWeights(move(self.embed), layers, move(self.norm), move(self.lm_head))
+        return ModelWeights(move(self.embed), layers, move(self.norm), move(self.lm_head),
+                            self.quantized)
 
     def prepare(self, device: str | torch.device, dtype: torch.dtype) -> PreparedWeights:
         """The fused layout on `device` in `dtype`, built once and shared by every model
@@ -430,6 +452,10 @@ class LlamaModel:
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.weights = weights.prepare(self.device, self.dtype)
+        # Decode on the GGUF's quantized blocks: only where the fp32 decode runs natively
+        # (`native_linear`), never in torch.
+        self.quantized = (weights.quantized if weights.quantized is not None
+                          and native.quantized_decode() else None)
         angles = torch.arange(config.max_context, dtype=torch.float64)[:, None] * rope_inv_freq(
             config)
         self.cos = angles.cos().to(torch.float32).to(self.device)
@@ -463,10 +489,11 @@ class LlamaModel:
         addresses, checked)."""
         if self._decode_layers is None:
             cfg = self.config
+            quant = self.quantized.fused() if self.quantized is not None else None
             self._decode_layers = native.DecodeLayers(self.weights.layers, self.weights.norm,
                                                       cfg.n_heads, cfg.n_kv_heads,
                                                       cfg.head_dim, cfg.norm_eps,
-                                                      cfg.attention_window or 0)
+                                                      cfg.attention_window or 0, quant)
         return self._decode_layers
 
     @property
@@ -677,6 +704,8 @@ class LlamaModel:
         segments = [Segment(kv, row, 1, positions[row]) for row, kv in enumerate(kvs)]
         hidden = self.forward(tokens, pos, segments, decode=True)
         if self.native_linear():
+            if self.quantized is not None and self.quantized.lm_head is not None:
+                return native.linear_q(hidden[:count], self.quantized.lm_head)
             return native.linear(hidden[:count], self.weights.lm_head)
         return self._decode_linear(hidden, self.weights.lm_head, "lm_head")[:count].float()
 

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from functools import cache
 from itertools import accumulate
 from pathlib import Path
@@ -36,8 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("kernels") / name
-                for name in ("decode_attention.c", "decode_linear.c", "decode_pointwise.c",
-                             "decode_layers.c"))
+                for name in ("decode_attention.c", "decode_linear.c", "decode_linear_q.c",
+                             "decode_pointwise.c", "decode_layers.c"))
 HEADERS = (Path(__file__).with_name("kernels") / "vec_exp.h",)  # hashed with the sources
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-ffp-contract=fast", "-fno-math-errno", "-shared",
          "-fPIC", "-fopenmp")
@@ -117,6 +118,12 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    for fn in (lib.pd_decode_linear_q, lib.pd_decode_linear_q_portable):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    lib.pd_quant_row_bytes.restype = ctypes.c_int64
+    lib.pd_quant_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     fn = lib.pd_decode_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -185,6 +192,88 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                                   weight.shape[0], out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise ValueError(f"native linear refused its arguments (status {status})")
+    return out
+
+
+QUANT_SETTING = "PDMESH_QUANTIZED_DECODE"
+QUANT_BLOCK = 32  # decode_linear_q.c: values per block
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the GGML types decode_linear_q.c takes
+QUANT_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+
+
+def quantized_decode() -> bool:
+    """`PDMESH_QUANTIZED_DECODE`: `off` (default: decode's matmuls on the fp32 weights, the
+    reference) or `on` (on a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks with int8 activations,
+    kernels/decode_linear_q.c; other matrices stay fp32). It changes the bits: every process
+    of a mesh and its oracle take the same setting (the engine fingerprint says which)."""
+    value = os.environ.get(QUANT_SETTING, "off").strip().lower() or "off"
+    if value not in ("on", "off"):
+        raise ValueError(f"{QUANT_SETTING}={value!r}: expected on or off")
+    return value == "on"
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A weight [rows, cols] kept as a GGUF stores it: per row, cols / 32 blocks of GGML
+    type `type` (Q4_0, Q4_1 or Q8_0), `data` uint8 [rows, row bytes], C-contiguous."""
+
+    type: int
+    cols: int
+    data: np.ndarray
+
+    def __post_init__(self) -> None:
+        block = QUANT_BLOCK_BYTES.get(self.type)
+        if block is None:
+            raise ValueError(f"GGML type {self.type}: not one of {sorted(QUANT_TYPES)}")
+        if (self.cols < QUANT_BLOCK or self.cols % QUANT_BLOCK or self.data.dtype != np.uint8
+                or self.data.ndim != 2 or self.data.shape[1] != self.cols // QUANT_BLOCK * block
+                or not self.data.flags.c_contiguous):
+            raise ValueError(f"type {self.type} blocks of {self.cols} columns: expected "
+                             f"C-contiguous uint8 [rows, {self.cols // QUANT_BLOCK * block}], "
+                             f"got {self.data.dtype} {self.data.shape}")
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @staticmethod
+    def cat(parts: list[QuantMatrix | None]) -> QuantMatrix | None:
+        """The parts' rows one after another (the fused qkv / gate-up), or None unless every
+        part is quantized, all of one type and width."""
+        if not parts or any(p is None for p in parts):
+            return None
+        first = parts[0]
+        assert first is not None
+        if any(p.type != first.type or p.cols != first.cols for p in parts if p is not None):
+            return None
+        return QuantMatrix(first.type, first.cols,
+                           np.ascontiguousarray(np.concatenate([p.data for p in parts
+                                                                if p is not None])))
+
+
+def linear_q(x: torch.Tensor, weight: QuantMatrix, portable: bool = False) -> torch.Tensor:
+    """x @ weight^T for the rows of a decode step (x [m, in] fp32 CPU) on quantized blocks
+    (kernels/decode_linear_q.c): each row of x quantized to int8 per block of 32, each
+    output one fixed sequence, so a row's bits do not depend on the batch. `portable`: the
+    kernel's portable C path (the same bits as the vectorised one; for the tests)."""
+    lib = _loaded()
+    if (x.dim() != 2 or not x.is_cpu or x.dtype != torch.float32
+            or x.shape[1] != weight.cols):
+        raise ValueError(f"quantized linear takes fp32 CPU x [m, {weight.cols}]; got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return out
+    fn = lib.pd_decode_linear_q_portable if portable else lib.pd_decode_linear_q
+    status = fn(x.data_ptr(), x.shape[0], x.shape[1], weight.data.ctypes.data, weight.type,
+                weight.rows, out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"quantized linear refused its arguments (status {status})")
     return out
 
 
@@ -374,6 +463,7 @@ _STEP_FIELDS = ("m", "dim", "heads", "kv_heads", "head_dim", "ffn", "layers", "t
                 "table_rows", "targets", "bases", "page_tokens", "page_stride", "page_start",
                 "pages", "lengths", "norm", "hidden", "window")
 LAYER_WEIGHTS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")
+QUANT_MATMULS = ("wqkv", "wo", "w_gate_up", "w_down")  # a layer's slots after its bias
 _STAGES = ("", "attention norm", "qkv matmul", "RoPE / K-V append", "attention", "o matmul",
            "ffn norm", "gate/up matmul", "SiLU * up", "down matmul", "final norm")
 
@@ -388,9 +478,11 @@ class DecodeLayers:
     from the OS every step); a lock keeps two threads from sharing it."""
 
     def __init__(self, layers: list, norm: torch.Tensor, heads: int, kv_heads: int,
-                 head_dim: int, eps: float, window: int = 0) -> None:
+                 head_dim: int, eps: float, window: int = 0,
+                 quant: list[dict[str, QuantMatrix | None]] | None = None) -> None:
         """`layers`: `model.FusedLayer`s (a `bqkv` of None: no q/k/v bias); `window`: the
-        sliding window in keys (0: none)."""
+        sliding window in keys (0: none); `quant`: per layer, the matmuls (QUANT_MATMULS)
+        that run on quantized blocks instead of the layer's fp32 rows."""
         if not layers or heads % kv_heads:
             raise ValueError("decode layers need at least one layer and heads a multiple "
                              "of kv_heads")
@@ -420,12 +512,32 @@ class DecodeLayers:
             raise NativeUnavailable("kernels/decode_layers.c and native.py disagree on the "
                                     "step's fields")
         self._fn = lib.pd_decode_layers
+        quant = quant or [{} for _ in layers]
+        if len(quant) != len(layers):
+            raise ValueError(f"{len(quant)} layers of quantized matmuls for {len(layers)}")
         per_layer = [[getattr(layer, name) for name in LAYER_WEIGHTS] + [layer.bqkv]
                      for layer in layers]
-        self._keep = [t for ts in per_layer for t in ts if t is not None]
+        self._keep: list[object] = [t for ts in per_layer for t in ts if t is not None]
         self._keep.append(norm)
-        self.weights = np.array([0 if t is None else t.data_ptr() for ts in per_layer
-                                 for t in ts], dtype=np.int64)
+        slots: list[int] = []
+        self.quantized = 0  # matmuls on quantized blocks
+        for i, (ts, qs) in enumerate(zip(per_layer, quant, strict=True)):
+            addresses = [0 if t is None else t.data_ptr() for t in ts]
+            types = []
+            for name in QUANT_MATMULS:
+                qm = qs.get(name)
+                if qm is None:
+                    types.append(0)
+                    continue
+                if qm.shape != shapes[name]:
+                    raise ValueError(f"layer {i} {name}: quantized {qm.shape}, expected "
+                                     f"{shapes[name]}")
+                addresses[LAYER_WEIGHTS.index(name)] = qm.data.ctypes.data
+                types.append(qm.type)
+                self._keep.append(qm)
+                self.quantized += 1
+            slots.extend(addresses + types)
+        self.weights = np.array(slots, dtype=np.int64)
         self._weights_address = self.weights.ctypes.data
         self._norm_address = norm.data_ptr()
         self.layers, self.dim, self.ffn = len(layers), dim, ffn

@@ -508,6 +508,18 @@ MUTATIONS = [
               "test_a_rows_bits_do_not_depend_on_the_other_rows_or_threads",
               "tests/engine/test_isolation.py::"
               "test_paged_decode_logits_bits_equal_reference_alone_and_batched")),
+    Mutation("native-linear-q-rows", "a decode row's quantized matmul outputs are its own "
+             "row's (I4: no request gets another's values)",
+             (Expr("native-linear-q-rows", "x + r * blocks + b", "x + b"),),
+             ("tests/engine/test_quantized.py::"
+              "test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads",
+              "tests/engine/test_quantized.py::test_smollm2_on_its_blocks_is_batch_invariant")),
+    Mutation("fingerprint-quantized", "the engine fingerprint names decode on quantized blocks "
+             "(another path, other bits)",
+             (Expr("fingerprint-quantized", '"native-step-q" if quantized else "native-step"',
+                   '"native-step"'),),
+             ("tests/engine/test_quantized.py::"
+              "test_the_fingerprint_says_decode_runs_on_the_blocks",)),
     # Each model family's own detail, removed, makes its checkpoint answer otherwise than
     # transformers does on the same file (tests/engine/test_families.py).
     Mutation("rope-freq-factors", "Llama 3.1's RoPE frequency rescaling is applied",

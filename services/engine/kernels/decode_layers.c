@@ -10,8 +10,10 @@
  *
  * Arguments, all validated by the caller (services/engine/native.py, `DecodeLayers`):
  *   step[]: the step's geometry and buffers, see enum below;
- *   weights[layer * 7 + i]: addresses of attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down,
- *   and the q/k/v bias added after the qkv matmul (0: none).
+ *   weights[layer * 11 + i]: addresses of attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down,
+ *   the q/k/v bias added after the qkv matmul (0: none), then the GGML type of wqkv, wo,
+ *   w_gate_up and w_down: 0 for fp32 rows (decode_linear.c), else that type's quantized
+ *   blocks (decode_linear_q.c).
  * Returns 0, or (stage << 8) | the failing kernel's status: 1 attn norm, 2 qkv, 3 rope/kv,
  * 4 attention, 5 o, 6 ffn norm, 7 gate/up, 8 silu, 9 down, 10 the final norm; nothing
  * after a failure runs.
@@ -25,6 +27,8 @@ int pd_decode_attention(int64_t n_seg, int64_t layer, int64_t kv_heads, int64_t 
                         float *out, float scale, int64_t threads, int64_t window);
 int pd_decode_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n,
                      float *out, int64_t threads);
+int pd_decode_linear_q(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t type,
+                       int64_t n, float *out, int64_t threads);
 int pd_decode_rms_norm(float *x, const float *delta, int64_t m, int64_t dim,
                        const float *w, float eps, float *out);
 int pd_decode_rope_kv(const float *qkv, int64_t m, int64_t heads, int64_t kv_heads,
@@ -51,6 +55,15 @@ enum {
 int64_t pd_decode_layers_fields(void) { return S_COUNT; }
 
 #define PTR(T, i) ((T)(intptr_t)step[i])
+#define LAYER_SLOTS 11
+
+/* One of the layer's matmuls: on fp32 rows, or on quantized blocks of GGML type `type`. */
+static int linear(const float *x, int64_t m, int64_t k, int64_t w, int64_t type, int64_t n,
+                  float *out, int64_t threads) {
+    if (type)
+        return pd_decode_linear_q(x, m, k, (const uint8_t *)(intptr_t)w, type, n, out, threads);
+    return pd_decode_linear(x, m, k, (const float *)(intptr_t)w, n, out, threads);
+}
 
 int pd_decode_layers(const int64_t *step, const int64_t *weights, float eps, float scale) {
     const int64_t m = step[S_M], dim = step[S_DIM], heads = step[S_HEADS];
@@ -65,9 +78,10 @@ int pd_decode_layers(const int64_t *step, const int64_t *weights, float eps, flo
     int status;
 #define RUN(stage, call) if ((status = (call)) != 0) return ((stage) << 8) | (status & 0xff)
     for (int64_t layer = 0; layer < layers; layer++) {
-        const float *const *w = (const float *const *)(weights + 7 * layer);
+        const int64_t *slot = weights + LAYER_SLOTS * layer, *type = slot + 7;
+        const float *const *w = (const float *const *)slot;
         RUN(1, pd_decode_rms_norm(x, layer == 0 ? 0 : delta, m, dim, w[0], eps, h));
-        RUN(2, pd_decode_linear(h, m, dim, w[1], qkv_dim, qkv, threads));
+        RUN(2, linear(h, m, dim, slot[1], type[0], qkv_dim, qkv, threads));
         if (w[6])  /* one add per value, as torch's qkv + bias */
             for (int64_t r = 0; r < m; r++)
                 for (int64_t j = 0; j < qkv_dim; j++) qkv[r * qkv_dim + j] += w[6][j];  /* guard: qkv-bias-native */
@@ -83,11 +97,11 @@ int pd_decode_layers(const int64_t *step, const int64_t *weights, float eps, flo
                                    PTR(const int64_t *, S_PAGES),
                                    PTR(const int64_t *, S_LENGTHS), q, attn, scale,
                                    threads < 16 ? threads : 16, step[S_WINDOW]));
-        RUN(5, pd_decode_linear(attn, m, q_dim, w[2], dim, delta, threads));
+        RUN(5, linear(attn, m, q_dim, slot[2], type[1], dim, delta, threads));
         RUN(6, pd_decode_rms_norm(x, delta, m, dim, w[3], eps, h));
-        RUN(7, pd_decode_linear(h, m, dim, w[4], 2 * ffn, gate_up, threads));
+        RUN(7, linear(h, m, dim, slot[4], type[2], 2 * ffn, gate_up, threads));
         RUN(8, pd_decode_silu_mul(gate_up, m, ffn, act));
-        RUN(9, pd_decode_linear(act, m, ffn, w[5], dim, delta, threads));
+        RUN(9, linear(act, m, ffn, slot[5], type[3], dim, delta, threads));
     }
     RUN(10, pd_decode_rms_norm(x, delta, m, dim, PTR(const float *, S_NORM), eps,
                                PTR(float *, S_HIDDEN)));

@@ -1,0 +1,239 @@
+/* Decode matmuls on a GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0), for pdmesh's CPU
+ * engine.
+ *
+ * out[r][j] ~= sum_k x[r][k] * w[j][k] for the m rows of one decode step, where w's rows
+ * are kept as GGUF stores them (blocks of 32 weights: an fp16 scale d, for Q4_1 an fp16
+ * offset m, and 32 4-bit or 8-bit integers) and each row of x is first quantized the way
+ * llama.cpp quantizes activations (per block of 32: scale amax / 127, int8 values rounded
+ * to nearest). A block's dot product is then an integer sum (exact), scaled in float:
+ *
+ *   Q8_0: d_w * d_x * sum(q_w * q_x)
+ *   Q4_1: d_w * d_x * sum(q_w * q_x) + m_w * d_x * sum(q_x)
+ *   Q4_0: as Q4_1 with m_w = -8 d_w (its values are d_w * (q_w - 8))
+ *
+ * The weights stream from memory at 4.5 to 8.5 bits each instead of 32, which is what a
+ * decode step is bound by.
+ *
+ * Batch invariance (invariant I4), as decode_linear.c: a row of x is quantized from that
+ * row alone, and every output is one fixed sequence of operations that depends on nothing
+ * but k: the integer sums of each block in 8 lanes (lane l: values 4l .. 4l + 3, exact),
+ * per block one fused multiply-add of each lane's sum into 8 float lanes and one of the
+ * offset term into a ninth, then one fixed tree over the 8 lanes plus the ninth. The row
+ * count, the row's place, the thread and the instruction set change only the schedule:
+ * the AVX2 path and the portable one give the same bits (`pd_decode_linear_q_portable`,
+ * for the tests).
+ *
+ * Built by services/engine/native.py with decode_linear.c (-fopenmp).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define QK 32 /* values per block, every format here */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML's type numbers */
+
+typedef struct { /* one block of a quantized activation row */
+    float d;     /* scale */
+    float ds;    /* d * sum(q): the offset term's factor */
+    int8_t q[QK];
+} xblock;
+
+static inline float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        uint32_t mm = man;
+        do { e++; mm <<= 1; } while (!(mm & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((mm & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static int64_t block_bytes(int64_t type) {
+    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0;
+}
+
+/* Bytes of one row of `k` values of `type` (0: a type or k this file does not take). */
+int64_t pd_quant_row_bytes(int64_t type, int64_t k) {
+    if (k < QK || k % QK || !block_bytes(type)) return 0;
+    return k / QK * block_bytes(type);
+}
+
+/* The activation row, block by block: scale amax / 127, values rounded to nearest even. */
+static void quantize_row(const float *x, int64_t k, xblock *out) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *v = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (int i = 0; i < QK; i++) {
+            const int32_t q = (int32_t)nearbyintf(v[i] * id);
+            out[b].q[i] = (int8_t)q;
+            s += q;
+        }
+        out[b].d = d;
+        out[b].ds = d * (float)s;
+    }
+}
+
+/* A block's scale and offset: (d_w, m_w) and where its integers start. */
+static inline const uint8_t *block_head(const uint8_t *blk, int64_t type, float *d, float *m) {
+    *d = fp16(blk);
+    if (type == Q4_1) {
+        *m = fp16(blk + 2);
+        return blk + 4;
+    }
+    *m = type == Q4_0 ? -8.0f * *d : 0.0f;
+    return blk + 2;
+}
+
+/* The fixed tree over the 8 lanes, then the offset term. */
+static inline float finish(const float acc[8], float off) {
+    return (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])))
+           + off;
+}
+
+/* One output, portable: the lane sums in C. */
+static float dot_portable(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks) {
+    float acc[8] = {0}, off = 0.0f;
+    const int64_t bb = block_bytes(type);
+    for (int64_t b = 0; b < blocks; b++) {
+        float d, m;
+        const uint8_t *q = block_head(w + b * bb, type, &d, &m);
+        int32_t wv[QK];
+        if (type == Q8_0) {
+            for (int i = 0; i < QK; i++) wv[i] = (int8_t)q[i];
+        } else { /* low nibbles are values 0..15, high ones 16..31 */
+            for (int i = 0; i < QK / 2; i++) {
+                wv[i] = q[i] & 0x0f;
+                wv[i + QK / 2] = q[i] >> 4;
+            }
+        }
+        const float dd = d * x[b].d;
+        for (int l = 0; l < 8; l++) {
+            int32_t s = 0;
+            for (int i = 4 * l; i < 4 * l + 4; i++) s += wv[i] * x[b].q[i];
+            acc[l] = fmaf(dd, (float)s, acc[l]);
+        }
+        if (type != Q8_0) off = fmaf(m, x[b].ds, off);
+    }
+    return finish(acc, off);
+}
+
+#ifdef __AVX2__
+/* `rows` outputs of one weight row, AVX2: each block's integers unpacked once, then for
+ * each row of x the same lanes as the portable path from one multiply-add of bytes
+ * (unsigned by signed) and one of 16-bit pairs. */
+static inline __attribute__((always_inline)) void
+dot_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks, const int rows,
+         float *res) {
+    const int64_t bb = block_bytes(type);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    __m256 acc[4];
+    float off[4];
+    for (int r = 0; r < rows; r++) {
+        acc[r] = _mm256_setzero_ps();
+        off[r] = 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        float d, m;
+        const uint8_t *q = block_head(w + b * bb, type, &d, &m);
+        __m256i wq;
+        if (type == Q8_0) {
+            wq = _mm256_loadu_si256((const __m256i *)q);
+        } else {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)q);
+            wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+        }
+        const __m256i wabs = type == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
+        for (int r = 0; r < rows; r++) {
+            const xblock *xb = x + r * blocks + b;  /* guard: native-linear-q-rows */
+            __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
+            if (type == Q8_0) xq = _mm256_sign_epi8(xq, wq);
+            const __m256 s = _mm256_cvtepi32_ps(
+                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xq), ones));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), s, acc[r]);
+            if (type != Q8_0) off[r] = fmaf(m, xb->ds, off[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        res[r] = finish(lanes, off[r]);
+    }
+}
+
+/* Every row of x against weight row j, four rows of x at a time. */
+static void row_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks,
+                     int64_t m, int64_t n, int64_t j, float *out) {
+    float res[4];
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) {
+        dot_avx2(w, type, x + r * blocks, blocks, 4, res);
+        for (int i = 0; i < 4; i++) out[(r + i) * n + j] = res[i];
+    }
+    for (; r < m; r++) {
+        dot_avx2(w, type, x + r * blocks, blocks, 1, res);
+        out[r * n + j] = res[0];
+    }
+}
+#endif
+
+static void row_portable(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks,
+                         int64_t m, int64_t n, int64_t j, float *out) {
+    for (int64_t r = 0; r < m; r++) out[r * n + j] = dot_portable(w, type, x + r * blocks, blocks);
+}
+
+typedef void (*row_fn)(const uint8_t *, int64_t, const xblock *, int64_t, int64_t, int64_t,
+                       int64_t, float *);
+
+static int linear_q(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t type,
+                    int64_t n, float *out, int64_t threads, row_fn row) {
+    const int64_t row_bytes = pd_quant_row_bytes(type, k), blocks = k / QK;
+    if (m < 1 || n < 1 || threads < 1 || !row_bytes) return 1;
+    xblock *xq = malloc((size_t)(m * blocks) * sizeof(xblock));
+    if (!xq) return 2;
+    for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq + r * blocks);
+    /* each weight row read once per step, for every row of x while it is in cache */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < n; j++) row(w + j * row_bytes, type, xq, blocks, m, n, j, out);
+    free(xq);
+    return 0;
+}
+
+/* Returns 0, or 1 for arguments it does not take (k not a positive multiple of 32, a type
+ * other than Q4_0 / Q4_1 / Q8_0, no rows), 2 when out of memory. */
+int pd_decode_linear_q(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t type,
+                       int64_t n, float *out, int64_t threads) {
+#ifdef __AVX2__
+    return linear_q(x, m, k, w, type, n, out, threads, row_avx2);
+#else
+    return linear_q(x, m, k, w, type, n, out, threads, row_portable);
+#endif
+}
+
+/* The same in portable C whatever the CPU (the tests hold the two to the same bits). */
+int pd_decode_linear_q_portable(const float *x, int64_t m, int64_t k, const uint8_t *w,
+                                int64_t type, int64_t n, float *out, int64_t threads) {
+    return linear_q(x, m, k, w, type, n, out, threads, row_portable);
+}
