@@ -58,7 +58,8 @@ test-multihost: $(VENV)/.installed-test
 ## make test-long: long-context and long-prompt scenarios (tiny model at 32k tokens: minutes
 ## of prefill on two cores), the fairness benchmark's acceptance run and structured outputs on
 ## SmolLM2 (the openai client's parse, 50 schemas), lm-eval's local-completions on SmolLM2
-## (a task written by the test, scored with echoed prompt logprobs), kept out of
+## (a task written by the test, scored with echoed prompt logprobs) and SmolLM2 served on
+## its Q4_1 blocks (PDMESH_QUANTIZED_DECODE=on) against its oracle, kept out of
 ## `make test` for its time budget.
 test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \

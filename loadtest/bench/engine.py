@@ -19,7 +19,14 @@ tokens), `paged_vs_contiguous_b1` / `_b16`,
 `KVPool.check_decode_batch`, over the step), and `native_decode_attention` /
 `native_decode_linear`
 (whether decode attention / the decode matmuls ran in the native kernels,
-services/engine/native.py).
+services/engine/native.py), and `decode_weights_mb` / `decode_floor_ms` /
+`decode_vs_floor_b1` (the weight bytes a decode step reads, the time they take at the
+rate `weights_stream_ms` measured, the batch-1 step over it).
+On a GGUF with Q4_0 / Q4_1 / Q8_0 matrices a second engine decodes on those blocks
+(PDMESH_QUANTIZED_DECODE's path, whatever the environment says; the first one decodes on
+fp32), its steps taken in the same turns: `decode_step_q_ms_b1` / `_b16`,
+`decode_tokens_per_s_q_b1` / `_b16`, `decode_q_speedup_b1` / `_b16` (fp32 step over it),
+`decode_weights_q_mb`, `decode_floor_q_ms`, `decode_q_vs_floor_b1`.
 Figures are medians of interleaved runs (prefill and its two dense forwards in turns,
 `--prefill-repeat` times; paged and contiguous decode alternate which runs first after the
 dense forward; with --cpu-time: the best process CPU time, for
@@ -31,8 +38,10 @@ With --json the last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -119,20 +128,46 @@ def weights_stream(w: ModelWeights) -> float:
     return total
 
 
+def _stream_bytes(w: ModelWeights) -> int:
+    """The bytes `weights_stream` reads."""
+    tensors = [w.embed, w.norm, w.lm_head]
+    for layer in w.layers:
+        tensors.extend(vars(layer).values())
+    seen = {(t.data_ptr(), t.shape): t.nbytes for t in tensors if t is not None}
+    return sum(seen.values())
+
+
+def _step_bytes(llama) -> int:
+    """The weight bytes one decode step reads (every layer's matmuls, biases and norms, the
+    final norm, the lm_head; not the embedding rows), on the blocks where it decodes on
+    them."""
+    w = llama.weights
+    quant = llama.quantized.fused() if llama.quantized is not None else None
+    total = w.norm.nbytes
+    for i, layer in enumerate(w.layers):
+        for name, t in vars(layer).items():
+            qm = quant[i].get(name) if quant is not None else None
+            total += qm.data.nbytes if qm is not None else (0 if t is None else t.nbytes)
+    head = llama.quantized.lm_head if llama.quantized is not None else None
+    return total + (head.data.nbytes if head is not None else w.lm_head.nbytes)
+
+
 def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
                     dense_weights: ModelWeights, rng: np.random.Generator, vocab: int,
-                    ctx: int, steps: int) -> dict[str, float]:
+                    ctx: int, steps: int, engine_q: Engine | None = None) -> dict[str, float]:
     """Median decode-step seconds at `batch`, paged and contiguous, and the dense forward
     of `batch` rows, interleaved so load noise hits all three alike; at 16, the cost of
     the lease checks. The contiguous caches get the paged prompt KV copied in (same bytes,
-    no second prefill)."""
+    no second prefill). `engine_q` (decode on the checkpoint's quantized blocks, the same
+    pool) takes its paged steps in the same turns, on the same leases."""
     pool, device = engine.pool, engine.pool.device
     leases, caches = [], []
+    room = ctx + 3 * steps + 4
     for i in range(batch):
         tokens = rng.integers(0, vocab, ctx).tolist()
-        lease = pool.allocate(f"bench-{i}", ctx + 2 * steps + 4)
+        lease = pool.allocate(f"bench-{i}", room)
         engine.prefill(lease, tokens)
-        cache = reference.new_cache(ctx + 2 * steps + 4)
+        cache = reference.new_cache(room)
         paged = PagedKV(pool, lease)
         for layer in range(engine.config.n_layers):
             keys, values = paged.read(layer, ctx)
@@ -150,7 +185,12 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
         reference.decode(caches, [1] * batch, [cposition[0]] * batch)
         cposition[0] += 1
 
-    paged, contiguous, dense, checks = [], [], [], []
+    def quantized_step() -> None:
+        assert engine_q is not None
+        engine_q.decode_step([DecodeSlot(lease, 1, position[0]) for lease in leases])
+        position[0] += 1
+
+    paged, contiguous, dense, checks, quantized = [], [], [], [], []
 
     def check_all() -> None:  # what a decode step checks: check_decode_batch
         pool.check_decode_batch(leases, [position[0]] * batch)
@@ -163,6 +203,8 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
         for fn, out in ((paged_step, paged), (contiguous_step, contiguous))[::1 - 2 * (i % 2)]:
             out.append(_median(fn, 1))
         dense.append(_median(lambda: dense_forward(engine.config, dense_weights, dense_ids), 1))
+        if engine_q is not None:
+            quantized.append(_median(quantized_step, 1))
         if batch == 16:  # in the steps' own window: a machine's slow phase hits both
             for _ in range(5):
                 started = _Clock.read()
@@ -173,9 +215,25 @@ def _decode_figures(batch: int, engine: Engine, reference: ReferenceEngine,
                f"dense_forward_s_b{batch}": float(_Clock.reduce(dense))}
     if batch == 16:
         results["check_s_b16"] = float(_Clock.reduce(checks))
+    if quantized:
+        results[f"decode_step_q_s_b{batch}"] = float(_Clock.reduce(quantized))
     for lease in leases:
         pool.release(lease, "bench")
     return results
+
+
+@contextlib.contextmanager
+def _setting(name: str, value: str) -> Iterator[None]:
+    """The environment variable `name` set to `value` for the block (then as it was)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _reference_args(device: str, dtype: torch.dtype) -> dict:
@@ -207,14 +265,22 @@ def main(argv: list[str] | None = None) -> int:
         _Clock.read, _Clock.reduce = staticmethod(time.process_time), staticmethod(np.min)
     load_start = os.getloadavg()[0]
 
-    model = load_model(args.model)
+    # A GGUF's quantized blocks are kept (PDMESH_QUANTIZED_DECODE=on at load) for a second
+    # engine decoding on them; the first decodes on fp32 whatever the environment says.
+    with _setting(native.QUANT_SETTING, "on"):
+        model = load_model(args.model)
     rng = np.random.default_rng(0)
     vocab = min(model.config.vocab_size, 256)
     steps, ctx = max(args.steps, 2), args.context_len
     pages_per_req = pages_for(max(args.prompt_len, ctx + 2 * steps + 4), 16)
     pool = make_pool(model, num_pages=pages_per_req * 17, page_tokens=16, device=args.device)
-    engine = Engine(model, pool)
-    reference = ReferenceEngine(model, **_reference_args(args.device, pool.spec.dtype))
+    with _setting(native.QUANT_SETTING, "off"):
+        engine = Engine(model, pool)
+        reference = ReferenceEngine(model, **_reference_args(args.device, pool.spec.dtype))
+    engine_q = None
+    if model.weights.quantized is not None and native.usable(pool.device, pool.spec.dtype):
+        with _setting(native.QUANT_SETTING, "on"):
+            engine_q = Engine(model, pool)
 
     # Prefill, against a dense forward of the same rows (one warm-up run each).
     prompt = rng.integers(0, vocab, args.prompt_len).tolist()
@@ -237,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, float] = {}
     for batch in (1, 16):
         results.update(_decode_figures(batch, engine, reference, dense_weights, rng, vocab,
-                                       ctx, steps))
+                                       ctx, steps, engine_q))
     pool.check_integrity()
 
     report: dict[str, object] = {
@@ -269,6 +335,22 @@ def main(argv: list[str] | None = None) -> int:
         / results["decode_step_s_b16"],
         "lease_check_pct_of_step_b16": 100 * results["check_s_b16"] / results["decode_step_s_b16"],
     }
+    # The memory-bandwidth floor of a step: its weight bytes at weights_stream's rate.
+    bandwidth = _stream_bytes(dense_weights) / stream_s
+    report["decode_weights_mb"] = _step_bytes(engine.model) / 1e6
+    report["decode_floor_ms"] = 1000 * _step_bytes(engine.model) / bandwidth
+    report["decode_vs_floor_b1"] = 1000 * results["decode_step_s_b1"] / report["decode_floor_ms"]
+    if engine_q is not None:  # decode on the checkpoint's quantized blocks, same turns
+        q_bytes = _step_bytes(engine_q.model)
+        report["decode_weights_q_mb"] = q_bytes / 1e6
+        report["decode_floor_q_ms"] = 1000 * q_bytes / bandwidth
+        for b in (1, 16):
+            report[f"decode_step_q_ms_b{b}"] = 1000 * results[f"decode_step_q_s_b{b}"]
+            report[f"decode_tokens_per_s_q_b{b}"] = b / results[f"decode_step_q_s_b{b}"]
+            report[f"decode_q_speedup_b{b}"] = (results[f"decode_step_s_b{b}"]
+                                                / results[f"decode_step_q_s_b{b}"])
+        report["decode_q_vs_floor_b1"] = (report["decode_step_q_ms_b1"]
+                                          / report["decode_floor_q_ms"])
     if 3900 <= args.prompt_len <= 4200:
         report["prefill_vs_dense_4k"] = report["prefill_vs_dense"]
         report["prefill_vs_matmuls_4k"] = report["prefill_vs_matmuls"]

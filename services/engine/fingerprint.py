@@ -10,9 +10,10 @@ fingerprint. The parts, joined by "|":
                            config.json and *.safetensors (the digest of their digests);
     tiny:<12 hex>          or the seeded `tiny` model's weights and config
     native-step:<12 hex>   the decode path (README "Decode paths") and, on a native one,
-    native-step-q:<12 hex> (decode on the GGUF's quantized blocks: PDMESH_QUANTIZED_DECODE)
-    native-attn:<12 hex>   the SHA-256 of the kernel library loaded (its build: sources,
-    torch                  compiler, flags, the CPU it was built for)
+    native-step-q:<12 hex> the SHA-256 of the kernel library loaded (its build: sources,
+    native-attn:<12 hex>   compiler, flags, the CPU it was built for); `native-step-q`:
+    torch                  the native step on a GGUF's quantized blocks
+                           (PDMESH_QUANTIZED_DECODE=on)
     torch-<version>        torch.__version__ (its kernels, its RNG for `tiny`)
     float32 ...            the compute dtype
     cpu-<isa> | cuda-<gpu> the device: on CPU the instruction set torch dispatches to

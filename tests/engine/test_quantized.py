@@ -175,3 +175,98 @@ def test_smollm2_on_its_blocks_is_batch_invariant(smollm2_both) -> None:
     together = quantized.decode(caches, [p[-1] for p in prompts], [len(p) for p in prompts])
     for i in range(3):
         assert torch.equal(together[i], alone[i]), i
+
+
+def _write_quantized_tiny(tiny, path) -> None:
+    """tiny as llama.cpp would write it quantized: every layer matmul Q4_1 (q/k rows
+    permuted first, as its converter does), the lm_head Q8_0."""
+    import gguf
+
+    from tests.engine.test_models import permute
+
+    cfg, w = tiny.config, tiny.weights
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.n_layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(cfg.dim)
+    writer.add_feed_forward_length(cfg.ffn_dim)
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(cfg.n_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<0x{i:02X}>" for i in range(256)] + ["<|im_start|>", "<|im_end|>"])
+    writer.add_token_types([1] * 256 + [3, 3])
+    writer.add_token_merges([])
+    writer.add_eos_token_id(257)
+
+    def add(name: str, t: np.ndarray, kind: str | None = None) -> None:
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if kind is None:
+            writer.add_tensor(name, t)
+        else:
+            qt = GGMLQuantizationType[kind]
+            writer.add_tensor(name, quantize(t, qt), raw_dtype=qt)
+
+    add("token_embd.weight", w.embed.numpy())
+    add("output_norm.weight", w.norm.numpy())
+    add("output.weight", w.lm_head.numpy(), "Q8_0")
+    for i, layer in enumerate(w.layers):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", layer.attn_norm.numpy())
+        add(p + "ffn_norm.weight", layer.ffn_norm.numpy())
+        add(p + "attn_q.weight", permute(layer.wq.numpy(), cfg.n_heads), "Q4_1")
+        add(p + "attn_k.weight", permute(layer.wk.numpy(), cfg.n_kv_heads), "Q4_1")
+        for name, t in (("attn_v", layer.wv), ("attn_output", layer.wo),
+                        ("ffn_gate", layer.w_gate), ("ffn_up", layer.w_up),
+                        ("ffn_down", layer.w_down)):
+            add(p + name + ".weight", t.numpy(), "Q4_1")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_kept_blocks_are_the_fp32_weights_rows(tiny, tmp_path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kept matrix, dequantized, is bit for bit the fp32 weight the loader made of
+    the same tensor: same rows, same order (llama's q/k permutation undone on the blocks)."""
+    from pdmesh.services.engine.gguf_loader import load_gguf
+
+    path = tmp_path / "tiny-q.gguf"
+    _write_quantized_tiny(tiny, path)
+    monkeypatch.setenv(native.QUANT_SETTING, "on")
+    loaded = load_gguf(path)
+    q = loaded.weights.quantized
+    assert q is not None and q.lm_head is not None
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    for i, layer in enumerate(loaded.weights.layers):
+        assert sorted(q.layers[i]) == sorted(names)
+        for name in names:
+            qm = q.layers[i][name]
+            got = dequantize(qm.data, GGMLQuantizationType(qm.type))
+            assert np.array_equal(got, getattr(layer, name).numpy()), (i, name)
+    head = dequantize(q.lm_head.data, GGMLQuantizationType.Q8_0)
+    assert np.array_equal(head, loaded.weights.lm_head.numpy())
+    monkeypatch.setenv(native.QUANT_SETTING, "off")
+    assert load_gguf(path).weights.quantized is None  # not kept unless asked for
+
+
+def test_bench_engine_times_decode_on_the_blocks_beside_fp32(tiny, tmp_path) -> None:
+    """`pdmesh bench engine` on a quantized GGUF: the blocks' decode step in the same turns
+    as the fp32 one, and each against the bytes it streams."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "tiny-q.gguf"
+    _write_quantized_tiny(tiny, path)
+    out = subprocess.run([sys.executable, "-m", "pdmesh.services.ops.cli", "bench", "engine",
+                          "--model", str(path), "--prompt-len", "128", "--context-len", "64",
+                          "--steps", "4", "--json"], capture_output=True, text=True,
+                         timeout=300, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("decode_step_q_ms_b1", "decode_step_q_ms_b16", "decode_q_speedup_b1",
+                "decode_floor_q_ms", "decode_q_vs_floor_b1", "decode_floor_ms"):
+        assert got[key] > 0, key
+    assert got["decode_weights_q_mb"] < got["decode_weights_mb"] / 4

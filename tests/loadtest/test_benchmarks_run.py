@@ -29,11 +29,13 @@ def test_bench_engine_json() -> None:
                 "paged_vs_contiguous_b1", "paged_vs_contiguous_b16",
                 "lease_check_pct_of_step_b16", "dense_forward_ms_b1", "dense_forward_ms_b16",
                 "weights_stream_ms", "decode_vs_dense_b1", "decode_vs_dense_b16",
-                "prefill_vs_dense", "dense_prefill_attention_ms", "prefill_vs_matmuls"):
+                "prefill_vs_dense", "dense_prefill_attention_ms", "prefill_vs_matmuls",
+                "decode_weights_mb", "decode_floor_ms", "decode_vs_floor_b1"):
         assert got[key] > 0, key
     assert got["device"] == "cpu" and got["dtype"] == "float32"
     assert got["native_decode_attention"] is True  # it builds on this machine
     assert got["native_decode_linear"] is True
+    assert "decode_step_q_ms_b1" not in got  # tiny has no quantized blocks
 
 
 def test_bench_transport_json() -> None:
