@@ -237,6 +237,13 @@ SETTINGS: tuple[Setting, ...] = (
             "CPU threads for the engine of a prefill/decode worker. 0: torch's default (all "
             "cores). Pin it when workers share a host (results do not depend on it).",
             WORKERS, check=non_negative, up=True),
+    Setting("decode_torch_threads", "--decode-torch-threads", "PDMESH_DECODE_TORCH_THREADS",
+            int, 0,
+            "CPU threads for a decode (or colocated) worker's engine, in place of "
+            "--torch-threads. 0: --torch-threads. On a host it shares with the gateway and "
+            "NATS, one thread can serve a token sooner than two: a step's parallel regions "
+            "wait for a thread another process holds (services/engine/README.md).",
+            (DECODE, COLOCATED), check=non_negative, up=True),
     Setting("max_batch", "--max-batch", "PDMESH_MAX_BATCH", int, 16,
             "Decode continuous-batch size.", (DECODE, COLOCATED), check=positive),
     Setting("heartbeat_s", "--heartbeat-s", "PDMESH_HEARTBEAT_S", float, 0.5,

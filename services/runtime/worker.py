@@ -95,10 +95,11 @@ class WorkerBase:
 
     def __init__(self, cfg: WorkerConfig, transport: KVTransport | None = None) -> None:
         self.cfg = cfg
-        if cfg.torch_threads:
+        threads = getattr(cfg, "decode_torch_threads", 0) or cfg.torch_threads
+        if threads:
             # Workers sharing a host should split its cores: oversubscribed torch threads
             # spin against each other (thread count does not change the results).
-            torch.set_num_threads(cfg.torch_threads)
+            torch.set_num_threads(threads)
         self.rt = ServiceRuntime(cfg)
         self.model = load_model(cfg.model)
         self.pool: KVPool = make_pool(self.model, num_pages=cfg.kv_pages,

@@ -33,6 +33,33 @@ def test_up_takes_torch_threads_and_hands_them_to_the_workers_only(
     assert "PDMESH_TORCH_THREADS" not in env["gateway"] | env["admission"]
 
 
+def test_up_hands_decode_torch_threads_to_decode_only() -> None:
+    env = _up_env(torch_threads="2", decode_torch_threads="1")
+    assert env["decode"]["PDMESH_DECODE_TORCH_THREADS"] == "1"
+    assert env["decode"]["PDMESH_TORCH_THREADS"] == env["prefill"]["PDMESH_TORCH_THREADS"] == "2"
+    assert "PDMESH_DECODE_TORCH_THREADS" not in env["prefill"] | env["gateway"]
+
+
+def test_a_decode_worker_takes_its_own_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--decode-torch-threads wins over --torch-threads on a decode worker; prefill keeps
+    --torch-threads."""
+    import torch
+
+    from pdmesh.services.decode.service import DecodeService
+    from pdmesh.services.prefill.service import PrefillService
+    from pdmesh.services.runtime.config import resolve
+
+    before = torch.get_num_threads()
+    try:
+        common = {"model": "tiny", "torch_threads": 2, "kv_tokens": 256}
+        DecodeService(resolve("decode", {**common, "decode_torch_threads": 1}, {}))
+        assert torch.get_num_threads() == 1
+        PrefillService(resolve("prefill", common, {}))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _launcher(gateway_port: int, **flags: str) -> Launcher:
     return Launcher(nats_url="nats://127.0.0.1:4222", gateway_port=gateway_port, prefill=1,
                     decode=1, env=_up_env(**flags))
