@@ -196,14 +196,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 QUANT_SETTING = "PDMESH_QUANTIZED_DECODE"
-QUANT_BLOCK = 32  # decode_linear_q.c: values per block
-QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the GGML types decode_linear_q.c takes
-QUANT_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # the GGML types it takes
+# per type: (values, bytes) of a block (Q4_K: a super-block of 8 sub-blocks)
+QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
+
+
+def quant_row_bytes(kind: int, cols: int) -> int:
+    """Bytes of a row of `cols` values of GGML type `kind` (0: a type or width
+    decode_linear_q.c does not take)."""
+    values, size = QUANT_BLOCKS.get(kind, (0, 0))
+    return cols // values * size if values and cols >= values and cols % values == 0 else 0
 
 
 def quantized_decode() -> bool:
     """`PDMESH_QUANTIZED_DECODE`: `off` (default: decode's matmuls on the fp32 weights, the
-    reference) or `on` (on a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks with int8 activations,
+    reference) or `on` (on a GGUF's own Q4_0 / Q4_1 / Q8_0 / Q4_K blocks with int8 activations,
     kernels/decode_linear_q.c; other matrices stay fp32). It changes the bits: every process
     of a mesh and its oracle take the same setting (the engine fingerprint says which)."""
     value = os.environ.get(QUANT_SETTING, "off").strip().lower() or "off"
@@ -214,22 +221,22 @@ def quantized_decode() -> bool:
 
 @dataclass(frozen=True)
 class QuantMatrix:
-    """A weight [rows, cols] kept as a GGUF stores it: per row, cols / 32 blocks of GGML
-    type `type` (Q4_0, Q4_1 or Q8_0), `data` uint8 [rows, row bytes], C-contiguous."""
+    """A weight [rows, cols] kept as a GGUF stores it: per row, the blocks of GGML type
+    `type` (Q4_0, Q4_1, Q8_0: 32 values a block; Q4_K: 256), `data` uint8 [rows, row
+    bytes], C-contiguous."""
 
     type: int
     cols: int
     data: np.ndarray
 
     def __post_init__(self) -> None:
-        block = QUANT_BLOCK_BYTES.get(self.type)
-        if block is None:
+        if self.type not in QUANT_BLOCKS:
             raise ValueError(f"GGML type {self.type}: not one of {sorted(QUANT_TYPES)}")
-        if (self.cols < QUANT_BLOCK or self.cols % QUANT_BLOCK or self.data.dtype != np.uint8
-                or self.data.ndim != 2 or self.data.shape[1] != self.cols // QUANT_BLOCK * block
-                or not self.data.flags.c_contiguous):
+        row = quant_row_bytes(self.type, self.cols)
+        if (not row or self.data.dtype != np.uint8 or self.data.ndim != 2
+                or self.data.shape[1] != row or not self.data.flags.c_contiguous):
             raise ValueError(f"type {self.type} blocks of {self.cols} columns: expected "
-                             f"C-contiguous uint8 [rows, {self.cols // QUANT_BLOCK * block}], "
+                             f"C-contiguous uint8 [rows, {row}] (a width the type takes), "
                              f"got {self.data.dtype} {self.data.shape}")
 
     @property

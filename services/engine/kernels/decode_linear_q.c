@@ -1,5 +1,5 @@
-/* Decode matmuls on a GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0), for pdmesh's CPU
- * engine.
+/* Decode matmuls on a GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K), for pdmesh's
+ * CPU engine.
  *
  * out[r][j] ~= sum_k x[r][k] * w[j][k] for the m rows of one decode step, where w's rows
  * are kept as GGUF stores them (blocks of 32 weights: an fp16 scale d, for Q4_1 an fp16
@@ -10,6 +10,8 @@
  *   Q8_0: d_w * d_x * sum(q_w * q_x)
  *   Q4_1: d_w * d_x * sum(q_w * q_x) + m_w * d_x * sum(q_x)
  *   Q4_0: as Q4_1 with m_w = -8 d_w (its values are d_w * (q_w - 8))
+ *   Q4_K: per sub-block of 32 of a 256-value super-block, as Q4_1 with d_w = d * scale and
+ *         m_w = -dmin * min (6-bit scale and min, packed; its values are d_w q_w + m_w)
  *
  * The weights stream from memory at 4.5 to 8.5 bits each instead of 32, which is what a
  * decode step is bound by.
@@ -33,8 +35,9 @@
 #include <immintrin.h>
 #endif
 
-#define QK 32 /* values per block, every format here */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML's type numbers */
+#define QK 32 /* values per block of x, and per (sub-)block of every weight format here */
+#define QK_K 256 /* values per Q4_K super-block: 8 sub-blocks */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 }; /* GGML's type numbers */
 
 typedef struct { /* one block of a quantized activation row */
     float d;     /* scale */
@@ -68,14 +71,16 @@ static inline float fp16(const uint8_t *p) {
 #endif
 }
 
-static int64_t block_bytes(int64_t type) {
-    return type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0;
-}
-
 /* Bytes of one row of `k` values of `type` (0: a type or k this file does not take). */
 int64_t pd_quant_row_bytes(int64_t type, int64_t k) {
-    if (k < QK || k % QK || !block_bytes(type)) return 0;
-    return k / QK * block_bytes(type);
+    if (k < QK || k % QK) return 0;
+    switch (type) {
+    case Q4_0: return k / QK * 18;
+    case Q4_1: return k / QK * 20;
+    case Q8_0: return k / QK * 34;
+    case Q4_K: return k % QK_K ? 0 : k / QK_K * 144;
+    default: return 0;
+    }
 }
 
 /* The activation row, block by block: scale amax / 127, values rounded to nearest even. */
@@ -96,8 +101,28 @@ static void quantize_row(const float *x, int64_t k, xblock *out) {
     }
 }
 
-/* A block's scale and offset: (d_w, m_w) and where its integers start. */
-static inline const uint8_t *block_head(const uint8_t *blk, int64_t type, float *d, float *m) {
+/* Block b (of 32 values) of a weight row: its scale d_w and offset m_w, where its
+ * integers start, and for Q4_K which nibble of them holds it (shift 0 or 4). */
+static inline const uint8_t *block_head(const uint8_t *row, int64_t type, int64_t b, float *d,
+                                        float *m, int *shift) {
+    *shift = 0;
+    if (type == Q4_K) { /* d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles */
+        const uint8_t *sb = row + b / 8 * 144, *sc = sb + 4;
+        const int j = (int)(b % 8);
+        int scale, min;
+        if (j < 4) {
+            scale = sc[j] & 63;
+            min = sc[j + 4] & 63;
+        } else {
+            scale = (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4);
+            min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        }
+        *d = fp16(sb) * (float)scale;
+        *m = -(fp16(sb + 2) * (float)min);
+        *shift = 4 * (j % 2); /* sub-blocks 2i and 2i + 1 share 32 bytes: low, high nibbles */
+        return sb + 16 + 32 * (j / 2);
+    }
+    const uint8_t *blk = row + b * (type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34);
     *d = fp16(blk);
     if (type == Q4_1) {
         *m = fp16(blk + 2);
@@ -116,13 +141,15 @@ static inline float finish(const float acc[8], float off) {
 /* One output, portable: the lane sums in C. */
 static float dot_portable(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks) {
     float acc[8] = {0}, off = 0.0f;
-    const int64_t bb = block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         float d, m;
-        const uint8_t *q = block_head(w + b * bb, type, &d, &m);
+        int shift;
+        const uint8_t *q = block_head(w, type, b, &d, &m, &shift);
         int32_t wv[QK];
         if (type == Q8_0) {
             for (int i = 0; i < QK; i++) wv[i] = (int8_t)q[i];
+        } else if (type == Q4_K) {
+            for (int i = 0; i < QK; i++) wv[i] = (q[i] >> shift) & 0x0f;
         } else { /* low nibbles are values 0..15, high ones 16..31 */
             for (int i = 0; i < QK / 2; i++) {
                 wv[i] = q[i] & 0x0f;
@@ -147,7 +174,6 @@ static float dot_portable(const uint8_t *w, int64_t type, const xblock *x, int64
 static inline __attribute__((always_inline)) void
 dot_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks, const int rows,
          float *res) {
-    const int64_t bb = block_bytes(type);
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     __m256 acc[4];
     float off[4];
@@ -157,10 +183,14 @@ dot_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks, const 
     }
     for (int64_t b = 0; b < blocks; b++) {
         float d, m;
-        const uint8_t *q = block_head(w + b * bb, type, &d, &m);
+        int shift;
+        const uint8_t *q = block_head(w, type, b, &d, &m, &shift);
         __m256i wq;
         if (type == Q8_0) {
             wq = _mm256_loadu_si256((const __m256i *)q);
+        } else if (type == Q4_K) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+            wq = _mm256_and_si256(shift ? _mm256_srli_epi16(raw, 4) : raw, low);
         } else {
             const __m128i raw = _mm_loadu_si128((const __m128i *)q);
             wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
@@ -221,8 +251,9 @@ static int linear_q(const float *x, int64_t m, int64_t k, const uint8_t *w, int6
     return 0;
 }
 
-/* Returns 0, or 1 for arguments it does not take (k not a positive multiple of 32, a type
- * other than Q4_0 / Q4_1 / Q8_0, no rows), 2 when out of memory. */
+/* Returns 0, or 1 for arguments it does not take (k not a positive multiple of 32, or of
+ * 256 for Q4_K; a type other than Q4_0 / Q4_1 / Q8_0 / Q4_K; no rows), 2 when out of
+ * memory. */
 int pd_decode_linear_q(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t type,
                        int64_t n, float *out, int64_t threads) {
 #ifdef __AVX2__
