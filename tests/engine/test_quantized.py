@@ -3,11 +3,14 @@
 The kernel against an independent float64 computation of what it promises (int8
 activations per block of 32, the weights' own blocks as the `gguf` package dequantizes
 them), its batch invariance, its vectorised path against its portable one, and the whole
-model: SmolLM2's Q4_1 file decoded on its blocks (`PDMESH_QUANTIZED_DECODE=on`) against
-the fp32 reference (logprob differences, greedy agreement) and batch-invariant.
+model: a quantized tiny GGUF (Q4_1 and Q4_K) decoded batch-invariant through the one-call
+step, and SmolLM2's Q4_1 file (`make test-long`) against the fp32 reference (logprob
+differences, greedy agreement) and batch-invariant.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -18,6 +21,9 @@ from gguf.quants import dequantize, quantize
 from pdmesh.services.engine import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+# SmolLM2 on its blocks (a minute): make test-long
+long_test = pytest.mark.skipif(os.environ.get("PDMESH_LONG_TESTS") != "1",
+                               reason="SmolLM2 on its Q4_1 blocks: make test-long")
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
 
 
@@ -141,6 +147,7 @@ def _teacher_forced(engine, prompt: list[int], tokens: list[int]) -> torch.Tenso
 
 
 @pytest.mark.slow
+@long_test
 def test_smollm2_on_its_q4_1_blocks_against_the_fp32_reference(smollm2_both) -> None:
     """Decode on the blocks follows the fp32 reference's own greedy continuation (200
     tokens, teacher-forced): the accuracy the int8 activations cost, measured."""
@@ -166,17 +173,7 @@ def test_smollm2_on_its_q4_1_blocks_against_the_fp32_reference(smollm2_both) -> 
 
 
 @pytest.mark.slow
-def test_the_fingerprint_says_decode_runs_on_the_blocks(smollm2_both) -> None:
-    """The two engines compute other bits: their fingerprints' decode paths differ, so no
-    mesh pairs them and no soak judges one with the other as its oracle."""
-    from pdmesh.services.engine.fingerprint import decode_path
-
-    reference, quantized = smollm2_both
-    assert decode_path(quantized.model).startswith("native-step-q:")
-    assert decode_path(reference.model).startswith("native-step:")
-
-
-@pytest.mark.slow
+@long_test
 def test_smollm2_on_its_blocks_is_batch_invariant(smollm2_both) -> None:
     """A request's decode logits on the blocks are the same bits alone or beside others."""
     _, quantized = smollm2_both
@@ -326,3 +323,5 @@ def test_a_model_on_its_blocks_decodes_each_row_as_alone(tiny, tmp_path, kind: s
     cache = fp32.new_cache(12)
     fp32.prefill(cache, prompts[0])
     assert not torch.equal(fp32.decode([cache], [prompts[0][-1]], [4])[0], alone[0])
+    # other bits, another fingerprint: no mesh pairs the two, no soak judges one by the other
+    assert decode_path(fp32.model).startswith("native-step:")

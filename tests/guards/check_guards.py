@@ -513,13 +513,14 @@ MUTATIONS = [
              (Expr("native-linear-q-rows", "x + r * blocks + b", "x + b"),),
              ("tests/engine/test_quantized.py::"
               "test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads",
-              "tests/engine/test_quantized.py::test_smollm2_on_its_blocks_is_batch_invariant")),
+              "tests/engine/test_quantized.py::"
+              "test_a_model_on_its_blocks_decodes_each_row_as_alone")),
     Mutation("fingerprint-quantized", "the engine fingerprint names decode on quantized blocks "
              "(another path, other bits)",
              (Expr("fingerprint-quantized", '"native-step-q" if quantized else "native-step"',
                    '"native-step"'),),
              ("tests/engine/test_quantized.py::"
-              "test_the_fingerprint_says_decode_runs_on_the_blocks",)),
+              "test_a_model_on_its_blocks_decodes_each_row_as_alone",)),
     # Each model family's own detail, removed, makes its checkpoint answer otherwise than
     # transformers does on the same file (tests/engine/test_families.py).
     Mutation("rope-freq-factors", "Llama 3.1's RoPE frequency rescaling is applied",
