@@ -357,7 +357,7 @@ SETTINGS: tuple[Setting, ...] = (
             read_by=("services/engine/native.py",)),
     Setting("quantized_decode", None, "PDMESH_QUANTIZED_DECODE", str, "off",
             "`on`: decode's matmuls run on a GGUF's own Q4_0 / Q4_1 / Q8_0 / Q4_K blocks "
-            "(int8 activations; ~3.5x faster on SmolLM2 Q4_1, greedy agreement 0.987 with "
+            "(int8 activations; ~3.5x faster on SmolLM2 Q4_1, greedy agreement 0.98 with "
             "fp32), on the native decode path only. Other bits: set it alike on every worker (the "
             "engine fingerprint says which). See services/engine/README.md \"Decode paths\".",
             choices=("off", "on"), read_by=("services/engine/native.py",)),
