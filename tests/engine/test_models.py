@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -26,7 +25,7 @@ from pdmesh.services.engine.models import load_model
 from pdmesh.services.engine.reference import ReferenceEngine
 from pdmesh.services.engine.sampling import Sampler, SamplingParams
 from pdmesh.services.engine.tiny import tiny_weights
-from tests.support.engine import prompt
+from tests.support.engine import prompt, tiny_gguf_writer
 
 
 def _flat(weights) -> list[torch.Tensor]:
@@ -135,21 +134,7 @@ def test_gguf_loader_roundtrip_with_llama_cpp_permutation(tiny, tmp_path) -> Non
     and check the loader gives the same logits; the SmolLM2 test checks a real file."""
     cfg, w = tiny.config, tiny.weights
     path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.n_layers)
-    writer.add_context_length(2048)
-    writer.add_embedding_length(cfg.dim)
-    writer.add_feed_forward_length(cfg.ffn_dim)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(byte_tokens + ["<|im_start|>", "<|im_end|>"])
-    writer.add_token_types([1] * 256 + [3, 3])
-    writer.add_token_merges([])
-    writer.add_eos_token_id(257)
+    writer = tiny_gguf_writer(path, cfg)
     arrays = {"token_embd.weight": w.embed, "output_norm.weight": w.norm,
               "output.weight": w.lm_head}
     for i, layer in enumerate(w.layers):

@@ -196,25 +196,11 @@ def _write_quantized_tiny(tiny, path, kind: str = "Q4_1") -> None:
     """tiny as llama.cpp would write it quantized: every layer matmul `kind` (q/k rows
     permuted first, as its converter does), the lm_head Q8_0. Q4_K, which the `gguf`
     package cannot quantize to, gets random blocks of the matrices' shapes instead."""
-    import gguf
-
     from tests.engine.test_models import permute
+    from tests.support.engine import tiny_gguf_writer
 
     cfg, w = tiny.config, tiny.weights
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.n_layers)
-    writer.add_context_length(2048)
-    writer.add_embedding_length(cfg.dim)
-    writer.add_feed_forward_length(cfg.ffn_dim)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"<0x{i:02X}>" for i in range(256)] + ["<|im_start|>", "<|im_end|>"])
-    writer.add_token_types([1] * 256 + [3, 3])
-    writer.add_token_merges([])
-    writer.add_eos_token_id(257)
+    writer = tiny_gguf_writer(path, cfg)
 
     def add(name: str, t: np.ndarray, kind: str | None = None) -> None:
         t = np.ascontiguousarray(t, dtype=np.float32)

@@ -9,6 +9,29 @@ from pdmesh.services.engine.runner import DecodeSlot, Engine
 from pdmesh.services.engine.sampling import Sampler, SamplingParams
 
 
+def tiny_gguf_writer(path, cfg):
+    """A `gguf.GGUFWriter` at `path` with a llama-architecture header of `cfg`'s geometry
+    and tiny's byte tokenizer (256 byte tokens, <|im_start|>, <|im_end|> as eos), as
+    llama.cpp's converter writes them; the caller adds the tensors and writes the file."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.n_layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(cfg.dim)
+    writer.add_feed_forward_length(cfg.ffn_dim)
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(cfg.n_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<0x{i:02X}>" for i in range(256)] + ["<|im_start|>", "<|im_end|>"])
+    writer.add_token_types([1] * 256 + [3, 3])
+    writer.add_token_merges([])
+    writer.add_eos_token_id(257)
+    return writer
+
+
 def prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, size=length).tolist()
 
