@@ -20,7 +20,10 @@
  * row alone, and every output is one fixed sequence of operations that depends on nothing
  * but k: the integer sums of each block in 8 lanes (lane l: values 4l .. 4l + 3, exact),
  * per block one fused multiply-add of each lane's sum into 8 float lanes and one of the
- * offset term into a ninth, then one fixed tree over the 8 lanes plus the ninth. The row
+ * offset term into a ninth, the even blocks into one such set and the odd ones into
+ * another (two independent chains, so a row is not bound by the multiply-add's latency),
+ * then the two sets added lane by lane and one fixed tree over the 8 lanes plus the two
+ * offsets. The row
  * count, the row's place, the thread and the instruction set change only the schedule:
  * the AVX2 path and the portable one give the same bits (`pd_decode_linear_q_portable`,
  * for the tests).
@@ -132,16 +135,21 @@ static inline const uint8_t *block_head(const uint8_t *row, int64_t type, int64_
     return blk + 2;
 }
 
-/* The fixed tree over the 8 lanes, then the offset term. */
-static inline float finish(const float acc[8], float off) {
+/* The fixed tree over the 8 lanes of the even blocks' and of the odd blocks' sums, then
+ * the offset terms (even, odd). */
+static inline float finish(const float even[8], const float odd[8], float off_even,
+                           float off_odd) {
+    float acc[8];
+    for (int l = 0; l < 8; l++) acc[l] = even[l] + odd[l];
     return (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])))
-           + off;
+           + (off_even + off_odd);
 }
 
 /* One output, portable: the lane sums in C. */
 static float dot_portable(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks) {
-    float acc[8] = {0}, off = 0.0f;
+    float acc[2][8] = {{0}}, off[2] = {0.0f, 0.0f};
     for (int64_t b = 0; b < blocks; b++) {
+        const int p = (int)(b & 1);
         float d, m;
         int shift;
         const uint8_t *q = block_head(w, type, b, &d, &m, &shift);
@@ -160,62 +168,110 @@ static float dot_portable(const uint8_t *w, int64_t type, const xblock *x, int64
         for (int l = 0; l < 8; l++) {
             int32_t s = 0;
             for (int i = 4 * l; i < 4 * l + 4; i++) s += wv[i] * x[b].q[i];
-            acc[l] = fmaf(dd, (float)s, acc[l]);
+            acc[p][l] = fmaf(dd, (float)s, acc[p][l]);
         }
-        if (type != Q8_0) off = fmaf(m, x[b].ds, off);
+        if (type != Q8_0) off[p] = fmaf(m, x[b].ds, off[p]);
     }
-    return finish(acc, off);
+    return finish(acc[0], acc[1], off[0], off[1]);
 }
 
 #ifdef __AVX2__
-/* `rows` outputs of one weight row, AVX2: each block's integers unpacked once, then for
- * each row of x the same lanes as the portable path from one multiply-add of bytes
- * (unsigned by signed) and one of 16-bit pairs. */
+/* Block b of weight row w against `rows` rows of x, into accumulators acc / off (AVX2):
+ * the block's integers unpacked once, then for each row of x the same lanes as the portable
+ * path from one multiply-add of bytes (unsigned by signed) and one of 16-bit pairs. With
+ * `type` a constant the compiler drops every other type's code. */
 static inline __attribute__((always_inline)) void
-dot_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks, const int rows,
-         float *res) {
+block_avx2(const uint8_t *w, const int type, const xblock *x, int64_t blocks, int64_t b,
+           const int rows, const float *kd, const float *km, __m256 *acc, float *off) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
-    __m256 acc[4];
-    float off[4];
-    for (int r = 0; r < rows; r++) {
-        acc[r] = _mm256_setzero_ps();
-        off[r] = 0.0f;
-    }
-    for (int64_t b = 0; b < blocks; b++) {
-        float d, m;
+    float d, m;
+    const uint8_t *q;
+    __m256i wq;
+    if (type == Q4_K) { /* scales and mins of the super-block, unpacked by the caller */
+        q = w + b / 8 * 144 + 16 + 32 * ((b % 8) / 2);
+        d = kd[b % 8];
+        m = km[b % 8];
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+        wq = _mm256_and_si256((b & 1) ? _mm256_srli_epi16(raw, 4) : raw, low);
+    } else if (type == Q4_1) { /* d and m: one conversion of both halves */
+        q = w + b * 20;
+        uint32_t dm;
+        memcpy(&dm, q, 4);
+        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        d = _mm_cvtss_f32(f);
+        m = _mm_cvtss_f32(_mm_movehdup_ps(f));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + 4));
+        wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+    } else {
         int shift;
-        const uint8_t *q = block_head(w, type, b, &d, &m, &shift);
-        __m256i wq;
+        q = block_head(w, type, b, &d, &m, &shift);
         if (type == Q8_0) {
             wq = _mm256_loadu_si256((const __m256i *)q);
-        } else if (type == Q4_K) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
-            wq = _mm256_and_si256(shift ? _mm256_srli_epi16(raw, 4) : raw, low);
         } else {
             const __m128i raw = _mm_loadu_si128((const __m128i *)q);
             wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
         }
-        const __m256i wabs = type == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
-        for (int r = 0; r < rows; r++) {
-            const xblock *xb = x + r * blocks + b;  /* guard: native-linear-q-rows */
-            __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
-            if (type == Q8_0) xq = _mm256_sign_epi8(xq, wq);
-            const __m256 s = _mm256_cvtepi32_ps(
-                _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xq), ones));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), s, acc[r]);
-            if (type != Q8_0) off[r] = fmaf(m, xb->ds, off[r]);
-        }
     }
+    const __m256i wabs = type == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
     for (int r = 0; r < rows; r++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r]);
-        res[r] = finish(lanes, off[r]);
+        const xblock *xb = x + r * blocks + b;  /* guard: native-linear-q-rows */
+        __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
+        if (type == Q8_0) xq = _mm256_sign_epi8(xq, wq);
+        const __m256 s = _mm256_cvtepi32_ps(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xq), ones));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), s, acc[r]);
+        if (type != Q8_0) off[r] = fmaf(m, xb->ds, off[r]);
+    }
+}
+
+/* The 8 scales and mins of Q4_K super-block `sb`, as block_head computes them. */
+static inline void q4k_scales(const uint8_t *sb, float *kd, float *km) {
+    const uint8_t *sc = sb + 4;
+    const float d = fp16(sb), dmin = fp16(sb + 2);
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        if (j < 4) {
+            scale = sc[j] & 63;
+            min = sc[j + 4] & 63;
+        } else {
+            scale = (sc[j + 4] & 0x0f) | ((sc[j - 4] >> 6) << 4);
+            min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        }
+        kd[j] = d * (float)scale;
+        km[j] = -(dmin * (float)min);
+    }
+}
+
+/* `rows` outputs of one weight row: even blocks into one set of accumulators, odd ones
+ * into another (two independent chains of multiply-adds, the portable path's order). */
+static inline __attribute__((always_inline)) void
+dot_avx2(const uint8_t *w, const int type, const xblock *x, int64_t blocks, const int rows,
+         float *res) {
+    __m256 even[4], odd[4];
+    float off_even[4], off_odd[4], kd[8], km[8];
+    for (int r = 0; r < rows; r++) {
+        even[r] = odd[r] = _mm256_setzero_ps();
+        off_even[r] = off_odd[r] = 0.0f;
+    }
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        if (type == Q4_K && b % 8 == 0) q4k_scales(w + b / 8 * 144, kd, km);
+        block_avx2(w, type, x, blocks, b, rows, kd, km, even, off_even);
+        block_avx2(w, type, x, blocks, b + 1, rows, kd, km, odd, off_odd);
+    }
+    if (b < blocks) block_avx2(w, type, x, blocks, b, rows, kd, km, even, off_even);
+    for (int r = 0; r < rows; r++) { /* finish()'s tree, in vector halves */
+        const __m256 acc = _mm256_add_ps(even[r], odd[r]);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        res[r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q))) + (off_even[r] + off_odd[r]);
     }
 }
 
 /* Every row of x against weight row j, four rows of x at a time. */
-static void row_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks,
-                     int64_t m, int64_t n, int64_t j, float *out) {
+static inline __attribute__((always_inline)) void
+rows_avx2(const uint8_t *w, const int type, const xblock *x, int64_t blocks, int64_t m,
+          int64_t n, int64_t j, float *out) {
     float res[4];
     int64_t r = 0;
     for (; r + 4 <= m; r += 4) {
@@ -225,6 +281,16 @@ static void row_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t bl
     for (; r < m; r++) {
         dot_avx2(w, type, x + r * blocks, blocks, 1, res);
         out[r * n + j] = res[0];
+    }
+}
+
+static void row_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t blocks,
+                     int64_t m, int64_t n, int64_t j, float *out) {
+    switch (type) { /* one copy of the loop per type */
+    case Q4_0: rows_avx2(w, Q4_0, x, blocks, m, n, j, out); break;
+    case Q4_1: rows_avx2(w, Q4_1, x, blocks, m, n, j, out); break;
+    case Q8_0: rows_avx2(w, Q8_0, x, blocks, m, n, j, out); break;
+    default: rows_avx2(w, Q4_K, x, blocks, m, n, j, out); break;
     }
 }
 #endif
