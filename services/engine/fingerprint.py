@@ -13,7 +13,7 @@ fingerprint. The parts, joined by "|":
     native-step-q:<12 hex> the SHA-256 of the kernel library loaded (its build: sources,
     native-attn:<12 hex>   compiler, flags, the CPU it was built for); `native-step-q`:
     torch                  the native step on a GGUF's quantized blocks
-                           (PDMESH_QUANTIZED_DECODE=on)
+                           (PDMESH_QUANTIZED_DECODE=on, the default)
     torch-<version>        torch.__version__ (its kernels, its RNG for `tiny`)
     float32 ...            the compute dtype
     cpu-<isa> | cuda-<gpu> the device: on CPU the instruction set torch dispatches to

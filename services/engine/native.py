@@ -209,11 +209,12 @@ def quant_row_bytes(kind: int, cols: int) -> int:
 
 
 def quantized_decode() -> bool:
-    """`PDMESH_QUANTIZED_DECODE`: `off` (default: decode's matmuls on the fp32 weights, the
-    reference) or `on` (on a GGUF's own Q4_0 / Q4_1 / Q8_0 / Q4_K blocks with int8 activations,
-    kernels/decode_linear_q.c; other matrices stay fp32). It changes the bits: every process
-    of a mesh and its oracle take the same setting (the engine fingerprint says which)."""
-    value = os.environ.get(QUANT_SETTING, "off").strip().lower() or "off"
+    """`PDMESH_QUANTIZED_DECODE`: `on` (default: decode's matmuls on a GGUF's own Q4_0 / Q4_1 /
+    Q8_0 / Q4_K blocks with int8 activations, kernels/decode_linear_q.c; other matrices stay
+    fp32) or `off` (on the fp32 weights: the reference path). It changes the bits: every
+    process of a mesh and its oracle take the same setting (the engine fingerprint says
+    which)."""
+    value = os.environ.get(QUANT_SETTING, "on").strip().lower() or "on"
     if value not in ("on", "off"):
         raise ValueError(f"{QUANT_SETTING}={value!r}: expected on or off")
     return value == "on"

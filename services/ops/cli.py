@@ -12,6 +12,7 @@ the role's own, `pdmesh up` the rows marked `up`, each role of the mesh handed i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 import os
@@ -135,7 +136,22 @@ def up_configs(args: object, colocated: bool,
                                     if role in BY_FIELD[f].roles}, env)
         if role == ADMISSION:
             flags["verify_key"] = tickets.verify_key_of(cfgs[role].signing_key)
+    decode = cfgs.get(DECODE)
+    if decode is not None and not decode.decode_torch_threads and not decode.torch_threads:
+        # One host runs the whole mesh: decode leaves a core to the gateway, NATS and its
+        # own event loop, which publish each token while the next step runs.
+        cfgs[DECODE] = dataclasses.replace(decode, decode_torch_threads=up_decode_threads())
     return cfgs
+
+
+def up_decode_threads() -> int:
+    """`pdmesh up`'s decode engine threads when neither --decode-torch-threads nor
+    --torch-threads is given: the cores this process may run on, less one, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def up_env(cfgs: dict[str, ServiceConfig], allow_dev: bool) -> dict[str, dict[str, str]]:

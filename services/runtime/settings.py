@@ -240,8 +240,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("decode_torch_threads", "--decode-torch-threads", "PDMESH_DECODE_TORCH_THREADS",
             int, 0,
             "CPU threads for a decode (or colocated) worker's engine, in place of "
-            "--torch-threads. 0: --torch-threads. On a host it shares with the gateway and "
-            "NATS, one thread can serve a token sooner than two: a step's parallel regions "
+            "--torch-threads. 0: --torch-threads; `pdmesh up` given neither hands its decode "
+            "workers the cores less one (at least 1). On a host it shares with the gateway "
+            "and NATS, fewer threads can serve a token sooner: a step's parallel regions "
             "wait for a thread another process holds (services/engine/README.md).",
             (DECODE, COLOCATED), check=non_negative, up=True),
     Setting("max_batch", "--max-batch", "PDMESH_MAX_BATCH", int, 16,
@@ -355,12 +356,14 @@ SETTINGS: tuple[Setting, ...] = (
             "torch where nothing builds, `on` refuses to start without them, `off` always "
             "torch (see below).", choices=("auto", "on", "off"),
             read_by=("services/engine/native.py",)),
-    Setting("quantized_decode", None, "PDMESH_QUANTIZED_DECODE", str, "off",
+    Setting("quantized_decode", None, "PDMESH_QUANTIZED_DECODE", str, "on",
             "`on`: decode's matmuls run on a GGUF's own Q4_0 / Q4_1 / Q8_0 / Q4_K blocks "
-            "(int8 activations; ~3.5x faster on SmolLM2 Q4_1, greedy agreement 0.98 with "
-            "fp32), on the native decode path only. Other bits: set it alike on every worker (the "
-            "engine fingerprint says which). See services/engine/README.md \"Decode paths\".",
-            choices=("off", "on"), read_by=("services/engine/native.py",)),
+            "(int8 activations, as llama.cpp; ~4x faster on SmolLM2 Q4_1, greedy agreement "
+            "0.98 with fp32), on the native decode path only; `off`: on their fp32 "
+            "dequantization (the reference path). Other bits: set it alike on every worker "
+            "(the engine fingerprint says which). See services/engine/README.md \"Decode "
+            "paths\".",
+            choices=("on", "off"), read_by=("services/engine/native.py",)),
     Setting("api_key", None, "PDMESH_API_KEY", str, "",
             "`pdmesh loadtest`: the API key sent when `--api-key` is not given (next: "
             "OPENAI_API_KEY).", read_by=("loadtest/cli.py",)),

@@ -129,7 +129,8 @@ def smollm2_both() -> tuple[object, object]:
         assert path is not None
         loaded = load_gguf(path)
         quantized = ReferenceEngine(loaded)
-    reference = ReferenceEngine(loaded)  # the setting off: fp32
+        mp.setenv(native.QUANT_SETTING, "off")
+        reference = ReferenceEngine(loaded)  # fp32
     assert loaded.weights.quantized is not None and reference.model.quantized is None
     assert quantized.model.native_linear() and quantized.model.quantized is not None
     return reference, quantized

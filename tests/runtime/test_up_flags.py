@@ -40,6 +40,23 @@ def test_up_hands_decode_torch_threads_to_decode_only() -> None:
     assert "PDMESH_DECODE_TORCH_THREADS" not in env["prefill"] | env["gateway"]
 
 
+def test_up_leaves_a_core_to_the_mesh_when_no_thread_count_is_given(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --decode-torch-threads and no --torch-threads: decode's engine takes the cores
+    less one (the gateway, NATS and its own loop publish while a step runs), at least 1;
+    prefill keeps torch's default; a given count wins."""
+    for cores, want in ((2, 1), (1, 1), (16, 15)):
+        monkeypatch.setattr(cli.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        env = _up_env()
+        assert env["decode"]["PDMESH_DECODE_TORCH_THREADS"] == str(want), cores
+        assert env["prefill"]["PDMESH_TORCH_THREADS"] == "0"
+    assert _up_env(torch_threads="2")["decode"]["PDMESH_DECODE_TORCH_THREADS"] == "0"
+    assert _up_env(decode_torch_threads="2")["decode"]["PDMESH_DECODE_TORCH_THREADS"] == "2"
+    args = argparse.Namespace(**{s.field: None for s in up_settings()})
+    colocated = cli.up_env(cli.up_configs(args, colocated=True, env={}), allow_dev=True)
+    assert colocated["colocated"]["PDMESH_DECODE_TORCH_THREADS"] == "0"
+
+
 def test_a_decode_worker_takes_its_own_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """--decode-torch-threads wins over --torch-threads on a decode worker; prefill keeps
     --torch-threads."""
