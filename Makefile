@@ -59,8 +59,8 @@ test-multihost: $(VENV)/.installed-test
 ## of prefill on two cores), the fairness benchmark's acceptance run and structured outputs on
 ## SmolLM2 (the openai client's parse, 50 schemas), lm-eval's local-completions on SmolLM2
 ## (a task written by the test, scored with echoed prompt logprobs) and SmolLM2 decoded on
-## its Q4_1 blocks (PDMESH_QUANTIZED_DECODE=on): served against its oracle, and its accuracy
-## against fp32, kept out of `make test` for its time budget.
+## its Q4_1 blocks (PDMESH_QUANTIZED_DECODE=on, the default): served against its oracle,
+## and its accuracy against fp32, kept out of `make test` for its time budget.
 test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
 	  tests/gateway/test_long_context.py tests/prefill/test_long_prompts.py \

@@ -143,11 +143,13 @@ class LocalPrefill:
             piece, after = d.prompt_ids[start:start + length], start + length
             try:
                 if scored is None:
-                    logits = await svc.compute(svc.engine.prefill, dreq.lease, piece, start)
+                    logits = await svc.compute(svc.engine.prefill, dreq.lease, piece, start,
+                                               threads=svc.prefill_threads)
                 else:  # the prompt's own logprobs too
                     logits, entries = await svc.compute(
                         svc.engine.prefill_scored, dreq.lease, piece, start, scored,
-                        d.prompt_ids[after] if after < len(d.prompt_ids) else None)
+                        d.prompt_ids[after] if after < len(d.prompt_ids) else None,
+                        threads=svc.prefill_threads)
             except Exception as exc:
                 log.exception("colocated prefill of %s failed", dreq.request_id)
                 dreq.finish(m.Outcome(code=m.Code.INTERNAL, detail=str(exc)))

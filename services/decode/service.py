@@ -477,7 +477,8 @@ class DecodeService(WorkerBase):
                      for r in batch]
             for r in batch:
                 r.pinned = True
-            step = asyncio.ensure_future(self.compute(self.engine.decode_step, slots))
+            step = asyncio.ensure_future(self.compute(self.engine.decode_step, slots,
+                                                      threads=self.decode_threads))
             await asyncio.sleep(0)  # the step is on the engine thread: meanwhile, ...
             if told:  # ... the last step's tokens go out, ...
                 await self._tell_untold(told)

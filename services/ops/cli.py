@@ -136,11 +136,13 @@ def up_configs(args: object, colocated: bool,
                                     if role in BY_FIELD[f].roles}, env)
         if role == ADMISSION:
             flags["verify_key"] = tickets.verify_key_of(cfgs[role].signing_key)
-    decode = cfgs.get(DECODE)
-    if decode is not None and not decode.decode_torch_threads and not decode.torch_threads:
-        # One host runs the whole mesh: decode leaves a core to the gateway, NATS and its
-        # own event loop, which publish each token while the next step runs.
-        cfgs[DECODE] = dataclasses.replace(decode, decode_torch_threads=up_decode_threads())
+    for role in (DECODE, COLOCATED):
+        cfg = cfgs.get(role)
+        if cfg is not None and not cfg.decode_torch_threads and not cfg.torch_threads:
+            # One host runs the whole mesh: decode steps leave a core to the gateway, NATS
+            # and the worker's own event loop, which publish each token while the next
+            # step runs (a colocated worker's prefill keeps torch's default).
+            cfgs[role] = dataclasses.replace(cfg, decode_torch_threads=up_decode_threads())
     return cfgs
 
 

@@ -239,8 +239,9 @@ SETTINGS: tuple[Setting, ...] = (
             WORKERS, check=non_negative, up=True),
     Setting("decode_torch_threads", "--decode-torch-threads", "PDMESH_DECODE_TORCH_THREADS",
             int, 0,
-            "CPU threads for a decode (or colocated) worker's engine, in place of "
-            "--torch-threads. 0: --torch-threads; `pdmesh up` given neither hands its decode "
+            "CPU threads for a decode worker's engine, in place of --torch-threads, and for "
+            "a colocated worker's decode steps (its prefill keeps --torch-threads). 0: "
+            "--torch-threads; `pdmesh up` given neither hands its decode or colocated "
             "workers the cores less one (at least 1). On a host it shares with the gateway "
             "and NATS, fewer threads can serve a token sooner: a step's parallel regions "
             "wait for a thread another process holds (services/engine/README.md).",

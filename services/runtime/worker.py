@@ -43,6 +43,13 @@ log = logging.getLogger("pdmesh.worker")
 T = TypeVar("T")
 
 
+def _on_threads(threads: int, fn: Callable[..., T], *args: Any) -> T:
+    """On the engine thread: set its torch thread count when `threads` asks for another."""
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return fn(*args)
+
+
 class DataPlaneCollector:
     """The data plane's own counters (`transport.stats`), read at each scrape of /metrics:
     what the receiver refused and why (a forged or corrupted frame is counted here, not
@@ -95,7 +102,12 @@ class WorkerBase:
 
     def __init__(self, cfg: WorkerConfig, transport: KVTransport | None = None) -> None:
         self.cfg = cfg
-        threads = getattr(cfg, "decode_torch_threads", 0) or cfg.torch_threads
+        decode_threads = getattr(cfg, "decode_torch_threads", 0)
+        # The engine's threads for prefill work and for decode steps (a colocated worker
+        # runs both: `compute(..., threads=)` switches between them on the engine thread).
+        self.prefill_threads = cfg.torch_threads or torch.get_num_threads()
+        self.decode_threads = decode_threads or self.prefill_threads
+        threads = decode_threads or cfg.torch_threads
         if threads:
             # Workers sharing a host should split its cores: oversubscribed torch threads
             # spin against each other (thread count does not change the results).
@@ -213,8 +225,11 @@ class WorkerBase:
         await self.transport.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+    async def compute(self, fn: Callable[..., T], *args: Any, threads: int = 0) -> T:
+        """fn(*args) on the engine thread; with `threads`, on that many torch threads
+        (`prefill_threads` or `decode_threads`)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._compute, _on_threads, threads, fn, *args)
 
     def queue_depth(self) -> int:
         return 0

@@ -42,9 +42,10 @@ def test_up_hands_decode_torch_threads_to_decode_only() -> None:
 
 def test_up_leaves_a_core_to_the_mesh_when_no_thread_count_is_given(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """No --decode-torch-threads and no --torch-threads: decode's engine takes the cores
-    less one (the gateway, NATS and its own loop publish while a step runs), at least 1;
-    prefill keeps torch's default; a given count wins."""
+    """No --decode-torch-threads and no --torch-threads: decode's engine (a colocated
+    worker's decode steps) takes the cores less one (the gateway, NATS and its own loop
+    publish while a step runs), at least 1; prefill keeps torch's default; a given count
+    wins."""
     for cores, want in ((2, 1), (1, 1), (16, 15)):
         monkeypatch.setattr(cli.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         env = _up_env()
@@ -54,7 +55,8 @@ def test_up_leaves_a_core_to_the_mesh_when_no_thread_count_is_given(
     assert _up_env(decode_torch_threads="2")["decode"]["PDMESH_DECODE_TORCH_THREADS"] == "2"
     args = argparse.Namespace(**{s.field: None for s in up_settings()})
     colocated = cli.up_env(cli.up_configs(args, colocated=True, env={}), allow_dev=True)
-    assert colocated["colocated"]["PDMESH_DECODE_TORCH_THREADS"] == "0"
+    assert colocated["colocated"]["PDMESH_DECODE_TORCH_THREADS"] == "15"
+    assert colocated["colocated"]["PDMESH_TORCH_THREADS"] == "0"
 
 
 def test_a_decode_worker_takes_its_own_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,3 +124,24 @@ def test_loadtest_looks_for_the_metrics_where_up_puts_them() -> None:
     assert default_metrics_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8100/metrics"
     assert default_metrics_url("http://10.0.0.1:9000/") == "http://10.0.0.1:9100/metrics"
     assert default_metrics_url("http://[::1]:8000") == "http://[::1]:8100/metrics"
+
+
+async def test_a_colocated_worker_prefills_and_decodes_on_their_own_thread_counts() -> None:
+    """A colocated engine thread switches between --torch-threads (its prefill chunks) and
+    --decode-torch-threads (its decode steps), call by call."""
+    import torch
+
+    from pdmesh.services.colocated.service import build
+    from pdmesh.services.runtime.config import resolve
+
+    before = torch.get_num_threads()
+    try:
+        svc = build(resolve("colocated", {"model": "tiny", "torch_threads": 2,
+                                          "decode_torch_threads": 1, "kv_tokens": 256}, {}))
+        assert (svc.prefill_threads, svc.decode_threads) == (2, 1)
+        assert await svc.compute(torch.get_num_threads, threads=svc.decode_threads) == 1
+        assert await svc.compute(torch.get_num_threads) == 1  # no count: left as it is
+        assert await svc.compute(torch.get_num_threads, threads=svc.prefill_threads) == 2
+        svc._compute.shutdown(wait=True)
+    finally:
+        torch.set_num_threads(before)
