@@ -22,9 +22,9 @@ tokens), `paged_vs_contiguous_b1` / `_b16`,
 services/engine/native.py), and `decode_weights_mb` / `decode_floor_ms` /
 `decode_vs_floor_b1` (the weight bytes a decode step reads, the time they take at the
 rate `weights_stream_ms` measured, the batch-1 step over it).
-On a GGUF with Q4_0 / Q4_1 / Q8_0 / Q4_K matrices a second engine decodes on those blocks
-(PDMESH_QUANTIZED_DECODE's path, whatever the environment says; the first one decodes on
-fp32), its steps taken in the same turns: `decode_step_q_ms_b1` / `_b16`,
+On a GGUF with Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matrices a second engine decodes on those
+blocks (PDMESH_QUANTIZED_DECODE's path, whatever the environment says; the first one decodes
+on fp32), its steps taken in the same turns: `decode_step_q_ms_b1` / `_b16`,
 `decode_tokens_per_s_q_b1` / `_b16`, `decode_q_speedup_b1` / `_b16` (fp32 step over it),
 `decode_weights_q_mb`, `decode_floor_q_ms`, `decode_q_vs_floor_b1`.
 Figures are medians of interleaved runs (prefill and its two dense forwards in turns,

@@ -9,8 +9,8 @@ style, i.e. rotate-half) and carry q/k/v biases. The geometry and the tokenizer 
 merges) come from the GGUF metadata (`families`, `checkpoint`, no torch).
 
 With PDMESH_QUANTIZED_DECODE=on (the default), the matrices stored as Q4_0 / Q4_1 / Q8_0 /
-Q4_K are also kept as their own blocks (`ModelWeights.quantized`, rows permuted as the fp32
-ones) for decode's quantized matmuls.
+Q4_K / Q6_K are also kept as their own blocks (`ModelWeights.quantized`, rows permuted as
+the fp32 ones) for decode's quantized matmuls.
 """
 
 from __future__ import annotations

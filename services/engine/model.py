@@ -158,7 +158,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [dim]
     lm_head: torch.Tensor  # [vocab, dim] (may be the same tensor as embed)
-    # A GGUF's own blocks of the matrices it stores as Q4_0 / Q4_1 / Q8_0 / Q4_K, loaded with
+    # A GGUF's own blocks of the matrices it stores as Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, with
     # PDMESH_QUANTIZED_DECODE=on (the default): per layer by LayerWeights name (wq .. w_down),
     # and "lm_head"; decode's matmuls run on them (native.linear_q), everything else on fp32.
     quantized: QuantizedWeights | None = field(default=None, repr=False, compare=False)

@@ -196,9 +196,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 QUANT_SETTING = "PDMESH_QUANTIZED_DECODE"
-QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # the GGML types it takes
-# per type: (values, bytes) of a block (Q4_K: a super-block of 8 sub-blocks)
-QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # the GGML types it takes
+# per type: (values, bytes) of a block (Q4_K, Q6_K: a super-block of 8 sub-blocks)
+QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
 
 
 def quant_row_bytes(kind: int, cols: int) -> int:
@@ -210,10 +210,10 @@ def quant_row_bytes(kind: int, cols: int) -> int:
 
 def quantized_decode() -> bool:
     """`PDMESH_QUANTIZED_DECODE`: `on` (default: decode's matmuls on a GGUF's own Q4_0 / Q4_1 /
-    Q8_0 / Q4_K blocks with int8 activations, kernels/decode_linear_q.c; other matrices stay
-    fp32) or `off` (on the fp32 weights: the reference path). It changes the bits: every
-    process of a mesh and its oracle take the same setting (the engine fingerprint says
-    which)."""
+    Q8_0 / Q4_K / Q6_K blocks with int8 activations, kernels/decode_linear_q.c; other
+    matrices stay fp32) or `off` (on the fp32 weights: the reference path). It changes the
+    bits: every process of a mesh and its oracle take the same setting (the engine
+    fingerprint says which)."""
     value = os.environ.get(QUANT_SETTING, "on").strip().lower() or "on"
     if value not in ("on", "off"):
         raise ValueError(f"{QUANT_SETTING}={value!r}: expected on or off")
@@ -223,7 +223,7 @@ def quantized_decode() -> bool:
 @dataclass(frozen=True)
 class QuantMatrix:
     """A weight [rows, cols] kept as a GGUF stores it: per row, the blocks of GGML type
-    `type` (Q4_0, Q4_1, Q8_0: 32 values a block; Q4_K: 256), `data` uint8 [rows, row
+    `type` (Q4_0, Q4_1, Q8_0: 32 values a block; Q4_K, Q6_K: 256), `data` uint8 [rows, row
     bytes], C-contiguous."""
 
     type: int

@@ -358,9 +358,9 @@ SETTINGS: tuple[Setting, ...] = (
             "torch (see below).", choices=("auto", "on", "off"),
             read_by=("services/engine/native.py",)),
     Setting("quantized_decode", None, "PDMESH_QUANTIZED_DECODE", str, "on",
-            "`on`: decode's matmuls run on a GGUF's own Q4_0 / Q4_1 / Q8_0 / Q4_K blocks "
-            "(int8 activations, as llama.cpp; ~4x faster on SmolLM2 Q4_1, greedy agreement "
-            "0.98 with fp32), on the native decode path only; `off`: on their fp32 "
+            "`on`: decode's matmuls run on a GGUF's own Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K "
+            "blocks (int8 activations, as llama.cpp; ~4x faster on SmolLM2 Q4_1, greedy "
+            "agreement 0.98 with fp32), on the native decode path only; `off`: on their fp32 "
             "dequantization (the reference path). Other bits: set it alike on every worker "
             "(the engine fingerprint says which). See services/engine/README.md \"Decode "
             "paths\".",

@@ -3,8 +3,8 @@
 The kernel against an independent float64 computation of what it promises (int8
 activations per block of 32, the weights' own blocks as the `gguf` package dequantizes
 them), its batch invariance, its vectorised path against its portable one, and the whole
-model: a quantized tiny GGUF (Q4_1 and Q4_K) decoded batch-invariant through the one-call
-step, and SmolLM2's Q4_1 file (`make test-long`) against the fp32 reference (logprob
+model: a quantized tiny GGUF (Q4_1, Q4_K and Q6_K) decoded batch-invariant through the
+one-call step, and SmolLM2's Q4_1 file (`make test-long`) against the fp32 reference (logprob
 differences, greedy agreement) and batch-invariant.
 """
 
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels u
 # SmolLM2 on its blocks (a minute): make test-long
 long_test = pytest.mark.skipif(os.environ.get("PDMESH_LONG_TESTS") != "1",
                                reason="SmolLM2 on its Q4_1 blocks: make test-long")
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+K_TYPES = ("Q4_K", "Q6_K")  # 256-value super-blocks
 
 
 def _q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -39,13 +40,28 @@ def _q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def _q6_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q6_K super-blocks (the `gguf` package cannot quantize to it either): random
+    low nibbles and high 2-bit pairs, random signed 8-bit scales, d of weights' size."""
+    blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    blocks[..., 192:208] = rng.integers(-128, 128, (rows, cols // 256, 16)).astype(
+        np.int8).view(np.uint8)
+    blocks[..., 208:210] = rng.uniform(0.0002, 0.002, (rows, cols // 256, 1)).astype(
+        np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    return (_q4_k if kind == "Q4_K" else _q6_k)(rows, cols, rng)
+
+
 def _matrix(kind: str, rows: int, cols: int, seed: int = 0
             ) -> tuple[native.QuantMatrix, np.ndarray]:
     """Random weights as blocks of `kind`, and those blocks dequantized (float64)."""
     rng = np.random.default_rng(seed)
     t = GGMLQuantizationType[kind]
-    if kind == "Q4_K":
-        blocks = _q4_k(rows, cols, rng)
+    if kind in K_TYPES:
+        blocks = _random_blocks(kind, rows, cols, rng)
     else:
         blocks = quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
     return (native.QuantMatrix(native.QUANT_TYPES[kind], cols, np.ascontiguousarray(blocks)),
@@ -95,7 +111,7 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(kind: str) -> Non
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_vectorised_path_gives_the_portable_paths_bits(kind: str) -> None:
-    cols = 1024 if kind == "Q4_K" else 576  # (SmolLM2's width is no multiple of 256)
+    cols = 1024 if kind in K_TYPES else 576  # (SmolLM2's width is no multiple of 256)
     qm, _ = _matrix(kind, 64, cols, seed=4)
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(5)) * 3
     x[2] = 0  # an all-zero block: scale 0
@@ -108,7 +124,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="fp32 CPU x"):
         native.linear_q(torch.zeros(1, 32), qm)
     with pytest.raises(ValueError, match="not one of"):
-        native.QuantMatrix(14, 64, qm.data)  # Q6_K
+        native.QuantMatrix(13, 64, qm.data)  # Q5_K
     with pytest.raises(ValueError, match="a width the type takes"):
         native.QuantMatrix(native.QUANT_TYPES["Q4_K"], 288, np.zeros((32, 162), np.uint8))
     with pytest.raises(ValueError, match="C-contiguous uint8"):
@@ -195,8 +211,8 @@ def test_smollm2_on_its_blocks_is_batch_invariant(smollm2_both) -> None:
 
 def _write_quantized_tiny(tiny, path, kind: str = "Q4_1") -> None:
     """tiny as llama.cpp would write it quantized: every layer matmul `kind` (q/k rows
-    permuted first, as its converter does), the lm_head Q8_0. Q4_K, which the `gguf`
-    package cannot quantize to, gets random blocks of the matrices' shapes instead."""
+    permuted first, as its converter does), the lm_head Q8_0. Q4_K and Q6_K, which the
+    `gguf` package cannot quantize to, get random blocks of the matrices' shapes instead."""
     from tests.engine.test_models import permute
     from tests.support.engine import tiny_gguf_writer
 
@@ -207,9 +223,10 @@ def _write_quantized_tiny(tiny, path, kind: str = "Q4_1") -> None:
         t = np.ascontiguousarray(t, dtype=np.float32)
         if kind is None:
             writer.add_tensor(name, t)
-        elif kind == "Q4_K":
-            writer.add_tensor(name, _q4_k(t.shape[0], t.shape[1], np.random.default_rng(
-                len(name))), raw_dtype=GGMLQuantizationType.Q4_K)
+        elif kind in K_TYPES:
+            writer.add_tensor(name, _random_blocks(kind, t.shape[0], t.shape[1],
+                                                   np.random.default_rng(len(name))),
+                              raw_dtype=GGMLQuantizationType[kind])
         else:
             qt = GGMLQuantizationType[kind]
             writer.add_tensor(name, quantize(t, qt), raw_dtype=qt)
@@ -233,7 +250,7 @@ def _write_quantized_tiny(tiny, path, kind: str = "Q4_1") -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
 def test_the_kept_blocks_are_the_fp32_weights_rows(tiny, tmp_path, kind: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Every kept matrix, dequantized, is bit for bit the fp32 weight the loader made of
@@ -279,7 +296,7 @@ def test_bench_engine_times_decode_on_the_blocks_beside_fp32(tiny, tmp_path) -> 
     assert got["decode_weights_q_mb"] < got["decode_weights_mb"] / 4
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
 def test_a_model_on_its_blocks_decodes_each_row_as_alone(tiny, tmp_path, kind: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-call native step on a GGUF's blocks (every layer matmul `kind`, lm_head

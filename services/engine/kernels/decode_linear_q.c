@@ -1,4 +1,4 @@
-/* Decode matmuls on a GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K), for pdmesh's
+/* Decode matmuls on a GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), for pdmesh's
  * CPU engine.
  *
  * out[r][j] ~= sum_k x[r][k] * w[j][k] for the m rows of one decode step, where w's rows
@@ -12,6 +12,9 @@
  *   Q4_0: as Q4_1 with m_w = -8 d_w (its values are d_w * (q_w - 8))
  *   Q4_K: per sub-block of 32 of a 256-value super-block, as Q4_1 with d_w = d * scale and
  *         m_w = -dmin * min (6-bit scale and min, packed; its values are d_w q_w + m_w)
+ *   Q6_K: per sub-block of 32 of a 256-value super-block, d * d_x * sum over its two halves
+ *         of 16 of scale_h * sum((q_w - 32) * q_x) (6-bit q_w, 8-bit signed scales): the
+ *         scales multiply the integer lane sums, which stay exact
  *
  * The weights stream from memory at 4.5 to 8.5 bits each instead of 32, which is what a
  * decode step is bound by.
@@ -40,7 +43,7 @@
 
 #define QK 32 /* values per block of x, and per (sub-)block of every weight format here */
 #define QK_K 256 /* values per Q4_K super-block: 8 sub-blocks */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 }; /* GGML's type numbers */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* GGML's type numbers */
 
 typedef struct { /* one block of a quantized activation row */
     float d;     /* scale */
@@ -82,6 +85,7 @@ int64_t pd_quant_row_bytes(int64_t type, int64_t k) {
     case Q4_1: return k / QK * 20;
     case Q8_0: return k / QK * 34;
     case Q4_K: return k % QK_K ? 0 : k / QK_K * 144;
+    case Q6_K: return k % QK_K ? 0 : k / QK_K * 210;
     default: return 0;
     }
 }
@@ -104,11 +108,29 @@ static void quantize_row(const float *x, int64_t k, xblock *out) {
     }
 }
 
+/* Q6_K block b of a weight row: where its 32 bytes of high 2-bit pairs start (bits 2 (b % 4)
+ * and up of each), and the signed scale of its half h (0: values 0-15, 1: 16-31). */
+static inline const uint8_t *q6k_high(const uint8_t *row, int64_t b) {
+    return row + b / 8 * 210 + 128 + 32 * ((b % 8) / 4);
+}
+
+static inline int32_t q6k_scale(const uint8_t *row, int64_t b, int h) {
+    return (int8_t)row[b / 8 * 210 + 192 + 2 * (b % 8) + h];
+}
+
 /* Block b (of 32 values) of a weight row: its scale d_w and offset m_w, where its
  * integers start, and for Q4_K which nibble of them holds it (shift 0 or 4). */
 static inline const uint8_t *block_head(const uint8_t *row, int64_t type, int64_t b, float *d,
                                         float *m, int *shift) {
     *shift = 0;
+    if (type == Q6_K) { /* 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 scales, d */
+        const uint8_t *sb = row + b / 8 * 210;
+        const int j = (int)(b % 8);
+        *d = fp16(sb + 208);
+        *m = 0.0f;
+        *shift = 4 * ((j % 4) / 2); /* sub-blocks 2, 3 of each half: the high nibbles */
+        return sb + 64 * (j / 4) + 32 * (j % 2);
+    }
     if (type == Q4_K) { /* d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles */
         const uint8_t *sb = row + b / 8 * 144, *sc = sb + 4;
         const int j = (int)(b % 8);
@@ -156,6 +178,11 @@ static float dot_portable(const uint8_t *w, int64_t type, const xblock *x, int64
         int32_t wv[QK];
         if (type == Q8_0) {
             for (int i = 0; i < QK; i++) wv[i] = (int8_t)q[i];
+        } else if (type == Q6_K) {
+            const uint8_t *qh = q6k_high(w, b);
+            const int hshift = 2 * (int)(b % 4);
+            for (int i = 0; i < QK; i++)
+                wv[i] = (((q[i] >> shift) & 0x0f) | (((qh[i] >> hshift) & 3) << 4)) - 32;
         } else if (type == Q4_K) {
             for (int i = 0; i < QK; i++) wv[i] = (q[i] >> shift) & 0x0f;
         } else { /* low nibbles are values 0..15, high ones 16..31 */
@@ -168,14 +195,20 @@ static float dot_portable(const uint8_t *w, int64_t type, const xblock *x, int64
         for (int l = 0; l < 8; l++) {
             int32_t s = 0;
             for (int i = 4 * l; i < 4 * l + 4; i++) s += wv[i] * x[b].q[i];
+            if (type == Q6_K) s *= q6k_scale(w, b, l / 4);
             acc[p][l] = fmaf(dd, (float)s, acc[p][l]);
         }
-        if (type != Q8_0) off[p] = fmaf(m, x[b].ds, off[p]);
+        if (type != Q8_0 && type != Q6_K) off[p] = fmaf(m, x[b].ds, off[p]);
     }
     return finish(acc[0], acc[1], off[0], off[1]);
 }
 
 #ifdef __AVX2__
+/* Block b of row r of the quantized x (`blocks` a row). */
+static inline const xblock *x_block(const xblock *x, int64_t blocks, int r, int64_t b) {
+    return x + r * blocks + b;  /* guard: native-linear-q-rows */
+}
+
 /* Block b of weight row w against `rows` rows of x, into accumulators acc / off (AVX2):
  * the block's integers unpacked once, then for each row of x the same lanes as the portable
  * path from one multiply-add of bytes (unsigned by signed) and one of 16-bit pairs. With
@@ -187,6 +220,29 @@ block_avx2(const uint8_t *w, const int type, const xblock *x, int64_t blocks, in
     float d, m;
     const uint8_t *q;
     __m256i wq;
+    if (type == Q6_K) { /* u = low nibble | high pair << 4; dot = sum((u - 32) x) per half,
+                           times the half's scale, in 16-bit pairs then 32-bit lanes */
+        int shift;
+        q = block_head(w, type, b, &d, &m, &shift);
+        const __m256i lo = _mm256_and_si256(
+            _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)q), shift), low);
+        const __m256i hi = _mm256_and_si256(
+            _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)q6k_high(w, b)),
+                              2 * (int)(b % 4)), _mm256_set1_epi8(3));
+        const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        const __m256i scales = _mm256_set_m128i(_mm_set1_epi16((int16_t)q6k_scale(w, b, 1)),
+                                                _mm_set1_epi16((int16_t)q6k_scale(w, b, 0)));
+        const __m256i c32 = _mm256_set1_epi8(32);
+        for (int r = 0; r < rows; r++) {
+            const xblock *xb = x_block(x, blocks, r, b);
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
+            const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(u, xq),
+                                                   _mm256_maddubs_epi16(c32, xq));
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), s, acc[r]);
+        }
+        return;
+    }
     if (type == Q4_K) { /* scales and mins of the super-block, unpacked by the caller */
         q = w + b / 8 * 144 + 16 + 32 * ((b % 8) / 2);
         d = kd[b % 8];
@@ -214,7 +270,7 @@ block_avx2(const uint8_t *w, const int type, const xblock *x, int64_t blocks, in
     }
     const __m256i wabs = type == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
     for (int r = 0; r < rows; r++) {
-        const xblock *xb = x + r * blocks + b;  /* guard: native-linear-q-rows */
+        const xblock *xb = x_block(x, blocks, r, b);
         __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
         if (type == Q8_0) xq = _mm256_sign_epi8(xq, wq);
         const __m256 s = _mm256_cvtepi32_ps(
@@ -290,7 +346,8 @@ static void row_avx2(const uint8_t *w, int64_t type, const xblock *x, int64_t bl
     case Q4_0: rows_avx2(w, Q4_0, x, blocks, m, n, j, out); break;
     case Q4_1: rows_avx2(w, Q4_1, x, blocks, m, n, j, out); break;
     case Q8_0: rows_avx2(w, Q8_0, x, blocks, m, n, j, out); break;
-    default: rows_avx2(w, Q4_K, x, blocks, m, n, j, out); break;
+    case Q4_K: rows_avx2(w, Q4_K, x, blocks, m, n, j, out); break;
+    default: rows_avx2(w, Q6_K, x, blocks, m, n, j, out); break;
     }
 }
 #endif
@@ -318,8 +375,8 @@ static int linear_q(const float *x, int64_t m, int64_t k, const uint8_t *w, int6
 }
 
 /* Returns 0, or 1 for arguments it does not take (k not a positive multiple of 32, or of
- * 256 for Q4_K; a type other than Q4_0 / Q4_1 / Q8_0 / Q4_K; no rows), 2 when out of
- * memory. */
+ * 256 for Q4_K and Q6_K; a type other than Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K; no rows), 2
+ * when out of memory. */
 int pd_decode_linear_q(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t type,
                        int64_t n, float *out, int64_t threads) {
 #ifdef __AVX2__
