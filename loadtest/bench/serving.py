@@ -8,9 +8,8 @@ mesh, the order of the meshes alternating), it measures:
 - the in-process decode step at batch 1 (`Engine.decode_step` over a paged lease holding
   a `--prompt-len` prompt, for `--max-tokens` steps: the contexts a served request decodes
   at), and with the greedy pick of the sampler the mesh runs (`step_ms`, `step_sample_ms`),
-  on as many threads as the mesh's decode engine (`PDMESH_DECODE_TORCH_THREADS`, else
-  `PDMESH_TORCH_THREADS`, else `pdmesh up`'s default, the cores less one: `torch_threads`;
-  the colocated mesh's engine runs torch's default unless one of those is set);
+  on as many threads as the meshes' decode steps (`PDMESH_DECODE_TORCH_THREADS`, else
+  `PDMESH_TORCH_THREADS`, else `pdmesh up`'s default, the cores less one: `torch_threads`);
 - the CPU time of those steps (`step_cpu_ms`: this process, every thread, per step);
 - one streamed completion per mesh at concurrency 1 (`--prompt-len` random prompt tokens,
   `--max-tokens` output tokens, greedy, `ignore_eos`): the gaps between its SSE chunks as
@@ -93,8 +92,8 @@ class InProcess:
     """The model on an engine of this process: batch-1 decode steps over a prompt's KV."""
 
     def __init__(self, model: str, prompt_len: int, max_tokens: int) -> None:
-        # The threads the mesh's decode engine runs (`pdmesh up` gets the same environment):
-        # the step it is measured against is the same step.
+        # The threads the meshes' decode steps run on (`pdmesh up` gets the same
+        # environment): the step they are measured against is the same step.
         threads = next((int(v) for v in (os.environ.get(name, "").strip()
                                          for name in ("PDMESH_DECODE_TORCH_THREADS",
                                                       "PDMESH_TORCH_THREADS"))
