@@ -60,14 +60,15 @@ test-multihost: $(VENV)/.installed-test
 ## SmolLM2 (the openai client's parse, 50 schemas), lm-eval's local-completions on SmolLM2
 ## (a task written by the test, scored with echoed prompt logprobs) and SmolLM2 decoded on
 ## its Q4_1 blocks (PDMESH_QUANTIZED_DECODE=on, the default): served against its oracle,
-## and its accuracy against fp32, kept out of `make test` for its time budget.
+## and its accuracy against fp32; SmolLM2's fp32 decode served against transformers on the
+## same GGUF; kept out of `make test` for its time budget.
 test-long: $(VENV)/.installed-test
 	PDMESH_LONG_TESTS=1 $(PY) -m pytest -q -ra -p no:cacheprovider --durations=10 \
 	  tests/gateway/test_long_context.py tests/prefill/test_long_prompts.py \
 	  tests/gateway/test_liveness_mesh.py tests/loadtest/test_bench_disagg.py \
 	  tests/loadtest/test_bench_fairness.py tests/gateway/test_structured_smollm2.py \
 	  tests/gateway/test_lm_eval.py tests/gateway/test_quantized_mesh.py \
-	  tests/engine/test_quantized.py $(ARGS)
+	  tests/gateway/test_smollm2_transformers.py tests/engine/test_quantized.py $(ARGS)
 
 ## make test-chaos: pdmesh soak for 3 minutes against a 2-prefill 2-decode mesh while a
 ## seeded killer SIGTERMs or SIGKILLs a worker every 15-30 s and `pdmesh up` restarts it:
