@@ -35,7 +35,9 @@ one flat JSON object (the last stdout line with `--json`):
   the ITL counts their gaps only), `runs_<workload>` (runs done), `error_<workload>`
   for a workload that failed (exit status 1), `skipped` (workloads the budget left out);
 - the machine's load average at the start and the end, the binary, its version line, the
-  llama.cpp flags, the GGUF.
+  llama.cpp flags it ran with, the GGUF; `llama_restarted` when llama-server was killed by a
+  signal before it was ready and runs with `--no-repack` added (`start_llama_server`: a VM
+  that reports AMX yet faults on its tile instructions).
 
 Bounded: every request has a client timeout, no run starts after `--budget-s`, the build has
 its own timeout; the servers are stopped (llama-server's process group killed, `pdmesh up`
@@ -79,6 +81,7 @@ from pdmesh.services.ops.launcher import free_port
 SDIST = "llama-cpp-python"
 SERVER = "llama-server"
 DEFAULT_LLAMA_ARGS = "-t 2 -c 16384 -np 4 -kvu"
+NO_REPACK = "--no-repack"
 DEFAULT_WORKLOADS = "1024/64@1,256/64@4,4096/32@1"
 METRICS = ("ttft_s", "itl_s", "tpot_s", "output_tok_s")
 REFERENCE = "llamacpp"
@@ -98,6 +101,10 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
 
 class Missing(Exception):
     """No llama-server to run, and the bench was told not to build one."""
+
+
+class Crashed(RuntimeError):
+    """llama-server was killed by a signal before it was ready."""
 
 
 # -- building llama-server -----------------------------------------------------------------------
@@ -289,8 +296,11 @@ def llama_server_started(binary: Path, gguf: Path, args: Sequence[str],
         deadline = time.monotonic() + ready_timeout_s
         while not server.healthy():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{SERVER} did not start ({shlex.join(cmd)}):\n"
-                                   + "\n".join(list(server.log)[-20:]))
+                tail = "\n".join(list(server.log)[-20:])
+                if proc.returncode is not None and proc.returncode < 0:
+                    raise Crashed(f"{SERVER} was killed by signal {-proc.returncode} before "
+                                  f"it was ready ({shlex.join(cmd)}):\n{tail}")
+                raise RuntimeError(f"{SERVER} did not start ({shlex.join(cmd)}):\n{tail}")
             time.sleep(0.25)
         yield server
     finally:
@@ -298,6 +308,28 @@ def llama_server_started(binary: Path, gguf: Path, args: Sequence[str],
         server.reader.join(5)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def start_llama_server(stack: contextlib.ExitStack, binary: Path, gguf: Path,
+                       args: Sequence[str]) -> tuple[LlamaServer, list[str], str]:
+    """llama-server entered on `stack`: the server, the flags it runs with, and why they
+    differ from `args` ('' when they do not).
+
+    llama.cpp's CPU backend puts weights in layouts of its own where the CPU offers them
+    (repacked blocks, AMX tiles); a virtual machine can report a feature whose instructions
+    then fault (AMX under some hypervisors: SIGSEGV on the first matmul of the warm-up).
+    Killed by a signal before it was ready, llama-server is started once more with
+    `--no-repack`, which leaves those layouts out."""
+    try:
+        return stack.enter_context(llama_server_started(binary, gguf, args)), list(args), ""
+    except Crashed as exc:
+        if NO_REPACK in args or "-nr" in args:
+            raise
+        why = str(exc).splitlines()[0].rstrip(":")
+        print(f"pdmesh bench llamacpp: {why}; starting it again with {NO_REPACK}",
+              file=sys.stderr, flush=True)
+        again = [*args, NO_REPACK]
+        return stack.enter_context(llama_server_started(binary, gguf, again)), again, why
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
@@ -546,8 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     try:
         with contextlib.ExitStack() as stack:
-            llama = stack.enter_context(llama_server_started(binary, source.path,
-                                                             args.llama_arg_list))
+            llama, llama_args, restarted = start_llama_server(stack, binary, source.path,
+                                                              args.llama_arg_list)
+            report["llama_args"] = shlex.join(llama_args)
+            if restarted:
+                report["llama_restarted"] = restarted[:500]
             endpoints = [Endpoint(REFERENCE, llama.root + "/v1", source.name)]
             mesh = stack.enter_context(started(PDMESH, args.model, context, False))
             endpoints.insert(0, Endpoint(PDMESH, mesh.root + "/v1", source.name, API_KEY))

@@ -6,6 +6,7 @@ twice: every figure present, the ratios those of the medians, exact token counts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -88,3 +89,57 @@ def test_client_figures_against_a_real_mesh(live_mesh: Mesh) -> None:
     for metric in ("ttft_s", "tpot_s", "output_tok_s"):
         assert report[f"{metric}_ratio_{key}"] == pytest.approx(
             report[f"{metric}_{key}_pdmesh"] / report[f"{metric}_{key}_llamacpp"])  # type: ignore[operator]
+
+
+# Stands in for llama-server on a VM whose AMX tile instructions fault: killed by SIGSEGV
+# during its warm-up unless given --no-repack; then it answers /health until stopped.
+FAULTING_SERVER = """#!{python}
+import http.server, os, signal, sys
+args = sys.argv[1:]
+if "--no-repack" not in args and "-nr" not in args:
+    os.kill(os.getpid(), signal.SIGSEGV)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+port = int(args[args.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _faulting_server(tmp_path: Path) -> Path:
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAULTING_SERVER.format(python=sys.executable))
+    binary.chmod(0o755)
+    return binary
+
+
+def test_a_server_killed_by_a_signal_is_started_again_without_repacked_weights(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    binary, gguf = _faulting_server(tmp_path), tmp_path / "model.gguf"
+    with contextlib.ExitStack() as stack:
+        server, args, why = llamacpp.start_llama_server(stack, binary, gguf, ["-t", "2"])
+        assert server.healthy()
+        assert args == ["-t", "2", "--no-repack"]
+        assert "killed by signal 11" in why
+    assert server.proc.poll() is not None  # stopped on the way out
+    assert "starting it again with --no-repack" in capsys.readouterr().err
+
+
+def test_a_server_that_faults_anyway_or_exits_is_not_started_again(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    aborts = tmp_path / "aborts"
+    aborts.write_text("#!/bin/sh\nkill -ABRT $$\n")
+    aborts.chmod(0o755)
+    for args in (["-nr"], ["-t", "2", "--no-repack"]):  # already without: nothing to drop
+        with contextlib.ExitStack() as stack, pytest.raises(llamacpp.Crashed, match="signal 6"):
+            llamacpp.start_llama_server(stack, aborts, gguf, args)
+    exits = tmp_path / "exits"
+    exits.write_text("#!/bin/sh\necho 'error: unknown argument' >&2\nexit 1\n")
+    exits.chmod(0o755)
+    with contextlib.ExitStack() as stack, pytest.raises(RuntimeError) as exc:
+        llamacpp.start_llama_server(stack, exits, gguf, ["-t", "2"])
+    assert not isinstance(exc.value, llamacpp.Crashed)
+    assert "did not start" in str(exc.value) and "unknown argument" in str(exc.value)
