@@ -14,7 +14,7 @@ from openai import OpenAI
 from pdmesh.services.engine import native
 from pdmesh.services.engine.oracle import ReferenceOracle
 from pdmesh.services.protocol import messages as m
-from tests.support.meshproc import Mesh, mesh_env, run_mesh
+from tests.support.meshproc import Mesh, smollm2_mesh
 
 pytestmark = [pytest.mark.mesh, pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("PDMESH_LONG_TESTS") != "1",
@@ -27,9 +27,7 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Once upon a time,
 
 @pytest.fixture(scope="module")
 def quantized_mesh() -> Iterator[Mesh]:
-    env = mesh_env(**{native.QUANT_SETTING: "on"})
-    with run_mesh("--model", "smollm2", "--kv-tokens", "8192", env=env,
-                  ready_timeout=300) as mesh:
+    with smollm2_mesh("on") as mesh:
         yield mesh
 
 

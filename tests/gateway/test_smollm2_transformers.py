@@ -18,10 +18,9 @@ import pytest
 import torch
 from openai import OpenAI
 
-from pdmesh.services.engine import native
 from pdmesh.services.engine.checkpoint import load_gguf_tokenizer, resolve
 from tests.support.families import CORPUS
-from tests.support.meshproc import Mesh, mesh_env, run_mesh
+from tests.support.meshproc import Mesh, smollm2_mesh
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,9 +53,7 @@ def hf_model(gguf_path: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def fp32_mesh() -> Iterator[Mesh]:
-    env = mesh_env(**{native.QUANT_SETTING: "off"})
-    with run_mesh("--model", "smollm2", "--kv-tokens", "8192", env=env,
-                  ready_timeout=300) as mesh:
+    with smollm2_mesh("off") as mesh:
         yield mesh
 
 

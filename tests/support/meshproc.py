@@ -214,6 +214,16 @@ def run_mesh(*args: str, env: dict[str, str] | None = None,
         check_trace(Path(trace_dir), remove=own_trace)
 
 
+@contextlib.contextmanager
+def smollm2_mesh(quantized_decode: str) -> Iterator[Mesh]:
+    """SmolLM2 on the disaggregated mesh, its decode on the GGUF's blocks
+    (`PDMESH_QUANTIZED_DECODE=on`) or on the fp32 reference path (`off`)."""
+    env = mesh_env(PDMESH_QUANTIZED_DECODE=quantized_decode)
+    with run_mesh("--model", "smollm2", "--kv-tokens", "8192", env=env,
+                  ready_timeout=300) as mesh:
+        yield mesh
+
+
 def check_trace(trace_dir: Path, remove: bool = False) -> None:
     """Fail on any step of the protocol trace in `trace_dir` that the model does not allow
     (tests/model/tracecheck.py); with `remove`, delete a trace that passed."""
