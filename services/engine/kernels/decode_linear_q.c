@@ -28,8 +28,8 @@
  * then the two sets added lane by lane and one fixed tree over the 8 lanes plus the two
  * offsets. The row
  * count, the row's place, the thread and the instruction set change only the schedule:
- * the AVX2 path and the portable one give the same bits (`pd_decode_linear_q_portable`,
- * for the tests).
+ * the AVX2 path (VNNI's `dpbusd` for the lane sums where the CPU has it) and the portable
+ * one give the same bits (`pd_decode_linear_q_portable`, for the tests).
  *
  * Built by services/engine/native.py with decode_linear.c (-fopenmp).
  */
@@ -209,6 +209,20 @@ static inline const xblock *x_block(const xblock *x, int64_t blocks, int r, int6
     return x + r * blocks + b;  /* guard: native-linear-q-rows */
 }
 
+/* Per 32-bit lane, the sum of its 4 products of unsigned bytes a by signed bytes b: one
+ * VNNI instruction where the CPU has one, else AVX2's multiply-add of bytes into 16-bit pair
+ * sums, then of pairs. The same integers either way: a pair sum never saturates here (a is a
+ * 4-bit value, or a Q8_0 weight's magnitude <= 128; b an int8 of x within +-127). */
+static inline __m256i dot_u8s8(__m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
 /* Block b of weight row w against `rows` rows of x, into accumulators acc / off (AVX2):
  * the block's integers unpacked once, then for each row of x the same lanes as the portable
  * path from one multiply-add of bytes (unsigned by signed) and one of 16-bit pairs. With
@@ -216,7 +230,7 @@ static inline const xblock *x_block(const xblock *x, int64_t blocks, int r, int6
 static inline __attribute__((always_inline)) void
 block_avx2(const uint8_t *w, const int type, const xblock *x, int64_t blocks, int64_t b,
            const int rows, const float *kd, const float *km, __m256 *acc, float *off) {
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    const __m256i low = _mm256_set1_epi8(0x0f);
     float d, m;
     const uint8_t *q;
     __m256i wq;
@@ -273,8 +287,7 @@ block_avx2(const uint8_t *w, const int type, const xblock *x, int64_t blocks, in
         const xblock *xb = x_block(x, blocks, r, b);
         __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
         if (type == Q8_0) xq = _mm256_sign_epi8(xq, wq);
-        const __m256 s = _mm256_cvtepi32_ps(
-            _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xq), ones));
+        const __m256 s = _mm256_cvtepi32_ps(dot_u8s8(wabs, xq));
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), s, acc[r]);
         if (type != Q8_0) off[r] = fmaf(m, xb->ds, off[r]);
     }
