@@ -296,6 +296,8 @@ def llama_server_started(binary: Path, gguf: Path, args: Sequence[str],
         deadline = time.monotonic() + ready_timeout_s
         while not server.healthy():
             if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.returncode is not None:  # its last words: the reader runs to EOF
+                    server.reader.join(5)
                 tail = "\n".join(list(server.log)[-20:])
                 if proc.returncode is not None and proc.returncode < 0:
                     raise Crashed(f"{SERVER} was killed by signal {-proc.returncode} before "
