@@ -225,7 +225,7 @@ static inline __m256i dot_u8s8(__m256i a, __m256i b) {
 
 /* Block b of weight row w against `rows` rows of x, into accumulators acc / off (AVX2):
  * the block's integers unpacked once, then for each row of x the same lanes as the portable
- * path from one multiply-add of bytes (unsigned by signed) and one of 16-bit pairs. With
+ * path (`dot_u8s8`; Q6_K: bytes into 16-bit pairs, then pairs times the halves' scales). With
  * `type` a constant the compiler drops every other type's code. */
 static inline __attribute__((always_inline)) void
 block_avx2(const uint8_t *w, const int type, const xblock *x, int64_t blocks, int64_t b,
