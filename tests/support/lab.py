@@ -49,7 +49,7 @@ from tests.support.netns import Host, NetnsThreads, Switch, command_in
 REPO = Path(__file__).resolve().parents[2]
 NATS_PORT, NATS_MONITOR, NATS_ROUTE_PORT = 4222, 8222, 6222
 GATEWAY_PORT = 8000
-KV_TOKENS = 16384  # per worker: scenario 3 puts several 2,500-token streams on one
+KV_TOKENS = 16384  # per worker: scenario 3 puts several 3,000-token streams on one
 # A ceiling only (liveness is by progress): a loaded 2-core CI box runs three NATS nodes,
 # seven services and the test, and six concurrent prompts may queue in prefill for seconds.
 TRANSFER_DEADLINE_S = 60.0
