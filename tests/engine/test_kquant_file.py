@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pdmesh.services.engine import native
-from tests.engine.test_quantized import _int8_rows, _teacher_forced
+from tests.support.engine import fp32_and_on_blocks, int8_rows, teacher_forced
 
 FILE = os.environ.get("PDMESH_KQUANT_GGUF", "")
 pytestmark = [
@@ -35,17 +35,7 @@ def _chat(tok, text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def engines() -> tuple[object, object]:
     """The file loaded once with its blocks: (fp32 engine, engine decoding on the blocks)."""
-    from pdmesh.services.engine.gguf_loader import load_gguf
-    from pdmesh.services.engine.reference import ReferenceEngine
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(native.QUANT_SETTING, "on")
-        loaded = load_gguf(FILE)
-        quantized = ReferenceEngine(loaded)
-        mp.setenv(native.QUANT_SETTING, "off")
-        reference = ReferenceEngine(loaded)
-    assert loaded.weights.quantized is not None and reference.model.quantized is None
-    return reference, quantized
+    return fp32_and_on_blocks(FILE)
 
 
 def test_the_kernel_on_the_files_k_blocks_is_int8_rows_times_its_rows(engines) -> None:
@@ -59,7 +49,7 @@ def test_the_kernel_on_the_files_k_blocks_is_int8_rows_times_its_rows(engines) -
             w = getattr(weights.layers[i], name).double().numpy()
             x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(i))
             got = native.linear_q(x, qm)
-            want = _int8_rows(x.numpy()) @ w.T
+            want = int8_rows(x.numpy()) @ w.T
             err = np.abs(got.double().numpy() - want).max() / np.abs(want).max()
             assert err < 1e-5, (i, name, K_TYPES[qm.type], err)
             assert torch.equal(native.linear_q(x[2:3], qm)[0], got[2]), (i, name)
@@ -76,8 +66,8 @@ def test_decode_on_the_blocks_follows_the_fp32_path(engines) -> None:
     prompt = _chat(tok, "Write a short story about a lighthouse keeper.")
     tokens = reference.generate(prompt, SamplingParams(max_tokens=200))
     assert len(tokens) >= 50, len(tokens)  # generate stops at EOS
-    ref = _teacher_forced(reference, prompt, tokens)
-    got = _teacher_forced(quantized, prompt, tokens)
+    ref = teacher_forced(reference, prompt, tokens)
+    got = teacher_forced(quantized, prompt, tokens)
     picked = torch.tensor(tokens[1:])[:, None]
     diff = (got.gather(1, picked) - ref.gather(1, picked)).abs()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
@@ -96,7 +86,7 @@ def test_the_fp32_path_equals_transformers_on_the_file(engines) -> None:
     prompt = _chat(tok, "Write a Python function that returns the n-th Fibonacci number.")
     tokens = reference.generate(prompt, SamplingParams(max_tokens=120))
     assert len(tokens) >= 50, len(tokens)
-    ours = _teacher_forced(reference, prompt, tokens)
+    ours = teacher_forced(reference, prompt, tokens)
     directory, name = os.path.split(FILE)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=torch.float32, attn_implementation="eager").eval()

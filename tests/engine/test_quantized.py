@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from pdmesh.services.engine import native
+from tests.support.engine import fp32_and_on_blocks, int8_rows, teacher_forced
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 # SmolLM2 on its blocks (a minute): make test-long
@@ -68,25 +69,12 @@ def _matrix(kind: str, rows: int, cols: int, seed: int = 0
             dequantize(blocks, t).astype(np.float64))
 
 
-def _int8_rows(x: np.ndarray) -> np.ndarray:
-    """What the kernel multiplies by: each row's blocks of 32 at scale amax / 127, values
-    rounded to nearest (float32, as the kernel computes them), in float64."""
-    out = np.empty(x.shape, dtype=np.float64)
-    for r in range(x.shape[0]):
-        for b in range(0, x.shape[1], 32):
-            v = x[r, b:b + 32].astype(np.float32)
-            d = np.float32(np.abs(v).max()) / np.float32(127)
-            q = np.rint(v * (np.float32(1) / d)) if d else np.zeros(32)
-            out[r, b:b + 32] = q.astype(np.float64) * np.float64(d)
-    return out
-
-
 @pytest.mark.parametrize("kind", TYPES)
 def test_each_output_is_the_int8_rows_times_the_dequantized_blocks(kind: str) -> None:
     qm, w = _matrix(kind, 48, 512)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     got = native.linear_q(x, qm).double().numpy()
-    want = _int8_rows(x.numpy()) @ w.T
+    want = int8_rows(x.numpy()) @ w.T
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
     # and close to the fp32 product: int8 activations lose < 2% here
     exact = x.double().numpy() @ w.T
@@ -136,31 +124,10 @@ def smollm2_both() -> tuple[object, object]:
     """SmolLM2's Q4_1 GGUF loaded once with its blocks: (fp32 reference engine, engine
     decoding on the blocks), the same weights."""
     from pdmesh.services.engine.checkpoint import resolve
-    from pdmesh.services.engine.gguf_loader import load_gguf
-    from pdmesh.services.engine.reference import ReferenceEngine
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(native.QUANT_SETTING, "on")
-        path = resolve("smollm2").path
-        assert path is not None
-        loaded = load_gguf(path)
-        quantized = ReferenceEngine(loaded)
-        mp.setenv(native.QUANT_SETTING, "off")
-        reference = ReferenceEngine(loaded)  # fp32
-    assert loaded.weights.quantized is not None and reference.model.quantized is None
-    assert quantized.model.native_linear() and quantized.model.quantized is not None
-    return reference, quantized
-
-
-def _teacher_forced(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Log-softmax of every decode step's logits along `tokens` (the first comes from the
-    prompt's prefill, which stays fp32), [len(tokens) - 1, vocab]."""
-    cache = engine.new_cache(len(prompt) + len(tokens))
-    engine.prefill(cache, prompt)
-    out = []
-    for i, token in enumerate(tokens[:-1]):
-        out.append(torch.log_softmax(engine.decode([cache], [token], [len(prompt) + i])[0], -1))
-    return torch.stack(out)
+    path = resolve("smollm2").path
+    assert path is not None
+    return fp32_and_on_blocks(path)
 
 
 @pytest.mark.slow
@@ -175,8 +142,8 @@ def test_smollm2_on_its_q4_1_blocks_against_the_fp32_reference(smollm2_both) -> 
     prompt = tok.encode(tok.apply_chat_template(
         [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]))
     tokens = reference.generate(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
-    ref = _teacher_forced(reference, prompt, tokens)
-    got = _teacher_forced(quantized, prompt, tokens)
+    ref = teacher_forced(reference, prompt, tokens)
+    got = teacher_forced(quantized, prompt, tokens)
     picked = torch.tensor(tokens[1:])
     diff = (got.gather(1, picked[:, None]) - ref.gather(1, picked[:, None])).abs()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
 
 from pdmesh.kvstore import KVPool, Lease
+from pdmesh.services.engine import native
 from pdmesh.services.engine.runner import DecodeSlot, Engine
 from pdmesh.services.engine.sampling import Sampler, SamplingParams
 
@@ -74,3 +77,45 @@ def batched_generate(
     for lease in leases:
         pool.release(lease, "finished")
     return outputs
+
+
+# -- decode on a GGUF's quantized blocks (tests/engine/test_quantized.py, test_kquant_file.py)
+def fp32_and_on_blocks(path) -> tuple[object, object]:
+    """A GGUF loaded once with its blocks: (fp32 reference engine, engine decoding on the
+    blocks), the same weights."""
+    from pdmesh.services.engine.gguf_loader import load_gguf
+    from pdmesh.services.engine.reference import ReferenceEngine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.QUANT_SETTING, "on")
+        loaded = load_gguf(path)
+        quantized = ReferenceEngine(loaded)
+        mp.setenv(native.QUANT_SETTING, "off")
+        reference = ReferenceEngine(loaded)  # fp32
+    assert loaded.weights.quantized is not None and reference.model.quantized is None
+    assert quantized.model.native_linear() and quantized.model.quantized is not None
+    return reference, quantized
+
+
+def int8_rows(x: np.ndarray) -> np.ndarray:
+    """What the quantized kernel multiplies by: each row's blocks of 32 at scale amax / 127,
+    values rounded to nearest (float32, as the kernel computes them), in float64."""
+    out = np.empty(x.shape, dtype=np.float64)
+    for r in range(x.shape[0]):
+        for b in range(0, x.shape[1], 32):
+            v = x[r, b:b + 32].astype(np.float32)
+            d = np.float32(np.abs(v).max()) / np.float32(127)
+            q = np.rint(v * (np.float32(1) / d)) if d else np.zeros(32)
+            out[r, b:b + 32] = q.astype(np.float64) * np.float64(d)
+    return out
+
+
+def teacher_forced(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Log-softmax of every decode step's logits along `tokens` (the first comes from the
+    prompt's prefill, which stays fp32), [len(tokens) - 1, vocab]."""
+    cache = engine.new_cache(len(prompt) + len(tokens))
+    engine.prefill(cache, prompt)
+    out = []
+    for i, token in enumerate(tokens[:-1]):
+        out.append(torch.log_softmax(engine.decode([cache], [token], [len(prompt) + i])[0], -1))
+    return torch.stack(out)
