@@ -21,7 +21,12 @@ $(VENV)/.installed-run: $(VENV)/bin/python pyproject.toml
 
 # The UCX and NIXL extras are chosen after torch is in, to match its CUDA stack
 # (pyproject.toml): CUDA 13 builds for a CUDA 13 torch, else the CUDA 12 ones.
+# The KV tiers' store tests start Debian's redis-server (tier 3, docs/KVTIERS.md).
 $(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml
+	@command -v redis-server >/dev/null || { echo "installing redis-server (Debian package)"; \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$sudo apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+	  { $$sudo apt-get update -qq && $$sudo apt-get install -y -qq redis-server >/dev/null; }; }
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q -e ".[$$($(PY) -c 'import torch; print("ucx-cu13,nixl-cu13" if (torch.version.cuda or "").startswith("13") else "ucx,nixl")')]"
 	touch $@ $(VENV)/.installed-run

@@ -120,14 +120,15 @@ def up_configs(args: object, colocated: bool,
     the flags it uses) and the environment: every value is checked before anything
     starts, and each role is handed only its own. The keys are fresh for each run unless
     given (flag or env var): admission gets the signing key, the workers its verify key,
-    the gateway the salt key."""
+    the gateway the salt key, prefill and colocated workers the KV-tier key."""
     from pdmesh.services.protocol import tickets
 
     env = os.environ if env is None else env
     roles = [r for r in ROLES if r not in ((PREFILL, DECODE) if colocated else (COLOCATED,))]
     flags = {s.field: getattr(args, s.field) for s in up_settings() if s.roles}
     for field, fresh in (("signing_key", tickets.generate_signing_key),
-                         ("salt_key", lambda: secrets.token_hex(32))):
+                         ("salt_key", lambda: secrets.token_hex(32)),
+                         ("kv_tier_key", lambda: secrets.token_hex(32))):
         if flags.get(field) is None and not in_env(field, env):
             flags[field] = fresh()
     cfgs: dict[str, ServiceConfig] = {}

@@ -23,8 +23,9 @@ data plane's per-reservation MACs still are). `pdmesh secrets --out DIR` writes 
 secrets directory: `nats.conf` (the server's authorization block), one `nats-<role>.env` per
 role with its user and password, and the keys, each in a file only its holders mount:
 `signing.env` (admission's Ed25519 signing key), `verify.env` (its public key, for prefill,
-decode and colocated workers) and `salt.env` (the gateway's cache-salt key). The signing and
-salt keys are made when missing and kept when present (every host of a stack must share
+decode and colocated workers), `salt.env` (the gateway's cache-salt key) and `kvtier.env` (the
+key prefill and colocated workers seal KV-tier blocks under). The signing, salt and KV-tier
+keys are made when missing and kept when present (every host of a stack must share
 them); `verify.env` is always derived from `signing.env`.
 With `--hosts`, also the multi-host NATS cluster's files: a dev CA and server certificate
 (`services/ops/certs.py`) and `nats-cluster.conf`: the same users, TLS on client connections
@@ -171,7 +172,8 @@ def env_file(ident: Identity) -> str:
 # The key files of a secrets directory: file -> (env var, the roles that mount it).
 KEY_FILES = {"signing.env": ("PDMESH_SIGNING_KEY", ("admission",)),
              "verify.env": ("PDMESH_VERIFY_KEY", ("prefill", "decode", "colocated")),
-             "salt.env": ("PDMESH_SALT_KEY", ("gateway",))}
+             "salt.env": ("PDMESH_SALT_KEY", ("gateway",)),
+             "kvtier.env": ("PDMESH_KV_TIER_KEY", ("prefill", "colocated"))}
 
 
 class SecretsError(Exception):
@@ -193,7 +195,8 @@ def write_secrets(out: Path, roles: Iterable[str] = ROLES, hosts: Sequence[str] 
                   tls_dir: str = COMPOSE_SECRETS, note: certs.Note = certs.silent) -> list[Path]:
     """Write a compose secrets directory: `nats.conf`, `nats-<user>.env` per identity, and
     the keys, one file per holder: `signing.env` (admission's Ed25519 signing key),
-    `salt.env` (the gateway's cache-salt key), each made when missing and kept when present
+    `salt.env` (the gateway's cache-salt key), `kvtier.env` (the prefill and colocated
+    workers' KV-tier key), each made when missing and kept when present
     (every host of a stack must share them), and `verify.env` (the workers' verify key),
     always the public key of `signing.env`'s. With `hosts` (multi-host) also a fresh dev CA
     and server certificate (`certs.make_certs`) and `nats-cluster.conf`, which names them
@@ -204,7 +207,9 @@ def write_secrets(out: Path, roles: Iterable[str] = ROLES, hosts: Sequence[str] 
     kept key file is malformed (no file is written then)."""
     certs.private_dir(out, note)
     signing, salt, verify = out / "signing.env", out / "salt.env", out / "verify.env"
-    sign_var, salt_var, verify_var = (KEY_FILES[p.name][0] for p in (signing, salt, verify))
+    kvtier = out / "kvtier.env"
+    sign_var, salt_var, verify_var, kvtier_var = (KEY_FILES[p.name][0]
+                                                  for p in (signing, salt, verify, kvtier))
     files: dict[Path, str] = {}
     if signing.exists():
         signing_key = _env_value(signing, sign_var)
@@ -215,10 +220,14 @@ def write_secrets(out: Path, roles: Iterable[str] = ROLES, hosts: Sequence[str] 
         _env_value(salt, salt_var)
     else:
         files[salt] = f"{salt_var}={secrets.token_hex(32)}\n"
+    if kvtier.exists():
+        _env_value(kvtier, kvtier_var)
+    else:
+        files[kvtier] = f"{kvtier_var}={secrets.token_hex(32)}\n"
     verify_text = f"{verify_var}={tickets.verify_key_of(signing_key)}\n"
     if not verify.exists() or verify.read_text() != verify_text:
         files[verify] = verify_text
-    for kept in (signing, salt, verify):
+    for kept in (signing, salt, verify, kvtier):
         if kept not in files:
             certs.tighten(kept, certs.SECRET_MODE, note)
     ids = role_identities(roles)
@@ -288,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="pdmesh secrets",
         description="Write NATS credentials (one role-level user per role, per-subject "
                     "permissions) and the mesh's keys (signing.env for admission, verify.env "
-                    "for the workers, salt.env for the gateway) into a compose secrets "
+                    "for the workers, salt.env for the gateway, kvtier.env for prefill and "
+                    "colocated workers) into a compose secrets "
                     "directory: files 0600, the directory 0700 (certificates 0644, the CA "
                     "key in ca-private/).")
     parser.add_argument("--out", required=True, type=Path,

@@ -50,6 +50,7 @@ from pdmesh.services.runtime.settings import (
     COLOCATED,
     DECODE,
     DEFAULT_HTTP_PORTS,
+    DEV_KV_TIER_KEY,
     DEV_SALT_KEY,
     DEV_SIGNING_KEY,
     DEV_VERIFY_KEY,
@@ -268,13 +269,16 @@ def _value(s: Setting, given: Any, env: Mapping[str, str]) -> tuple[Any, str | N
 
 
 def _register_secrets(settings: Iterable[Setting], values: Mapping[str, Any]) -> None:
-    """Register every secret value, and the password of each NATS URL, to be redacted."""
+    """Register every secret value, and the password of each NATS and KV-store URL, to be
+    redacted."""
     for s in settings:
         if s.secret and isinstance(values.get(s.field), str):
             register(values[s.field])
     if "nats_url" in values:
         for url in split_urls(values["nats_url"]):
             register_url(url)
+    if values.get("kv_remote_url"):
+        register_url(values["kv_remote_url"])  # a Redis URL may carry a password
 
 
 def env_value(field: str, env: Mapping[str, str] | None = None) -> Any:
@@ -356,8 +360,8 @@ def _faults_need_permission(cfg: Any, env: Mapping[str, str]) -> None:
 
 # -- development credentials -----------------------------------------------------------------
 # The built-in dev value of each credential setting, by field.
-DEV_VALUES = dict(zip(KEY_FIELDS, (DEV_SIGNING_KEY, DEV_VERIFY_KEY, DEV_SALT_KEY),
-                      strict=True))
+DEV_VALUES = dict(zip(KEY_FIELDS, (DEV_SIGNING_KEY, DEV_VERIFY_KEY, DEV_SALT_KEY,
+                                   DEV_KV_TIER_KEY), strict=True))
 # SHA-256 (hex) of each API key of the bundled dev tenants (gateway/dev_tenants.toml; a test
 # holds the two to each other): a tenants file holding one of them holds a public key.
 DEV_API_KEY_SHA256S = frozenset({

@@ -41,9 +41,10 @@ DEFAULT_HTTP_PORTS = {ADMISSION: 8101, PREFILL: 8102, DECODE: 8103, COLOCATED: 8
 DEV_SIGNING_KEY = "d5e42877e649e43fe4d28fbb483ba9d27acbbf7384e02d15273c198b22bd3348"
 DEV_VERIFY_KEY = "49a65df4708534105c083424c6f01e5233de64e19fd3f264baf7fa06483c73e7"
 DEV_SALT_KEY = "5945508ef8d8b58b3647825e5abd0c363a4be83d2a537fe6576984a6d3b02678"
+DEV_KV_TIER_KEY = "b7c1f04e9a2d6538e1f7a90c4d2b86e3507f1ac9d84e26b3f5a0c79e12d4b86f"
 KEY_HEX_CHARS = 64
 # The key settings, each held by one role only (`pdmesh up` hands each to its role alone).
-KEY_FIELDS = ("signing_key", "verify_key", "salt_key")
+KEY_FIELDS = ("signing_key", "verify_key", "salt_key", "kv_tier_key")
 NATS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
 
 
@@ -86,6 +87,12 @@ def hex_key(value: str) -> str | None:
     if any(c not in "0123456789abcdefABCDEF" for c in value):
         return "must be hex (0-9, a-f)"
     return None
+
+
+def redis_url(value: str) -> str | None:
+    if not value or value.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    return "must be a redis://, rediss:// or unix:// URL"
 
 
 def split_urls(value: str) -> list[str]:
@@ -226,6 +233,34 @@ SETTINGS: tuple[Setting, ...] = (
             WORKERS, check=positive, up=True),
     Setting("page_tokens", "--page-tokens", "PDMESH_PAGE_TOKENS", int, 16,
             "Tokens per KV page.", WORKERS, check=positive, up=True),
+    Setting("kv_host_tokens", "--kv-host-tokens", "PDMESH_KV_HOST_TOKENS", int, 131072,
+            "KV tier 1: host memory under a prefill/colocated worker's pool, in tokens, that "
+            "keeps the prefix cache's blocks (prompt KV) after the pool evicts them. 0: off "
+            "(docs/KVTIERS.md).", (PREFILL, COLOCATED), check=non_negative, up=True),
+    Setting("kv_disk_dir", "--kv-disk-dir", "PDMESH_KV_DISK_DIR", str, "",
+            "KV tier 2: a directory for sealed (AES-GCM) KV blocks, kept across restarts. "
+            "Empty: off.", (PREFILL, COLOCATED), up=True),
+    Setting("kv_disk_gib", "--kv-disk-gib", "PDMESH_KV_DISK_GIB", float, 8.0,
+            "KV tier 2: the most the directory holds, in GiB; the oldest-valued blocks go "
+            "first.", (PREFILL, COLOCATED), check=positive, up=True),
+    Setting("kv_remote_url", "--kv-remote-url", "PDMESH_KV_REMOTE_URL", str, "",
+            "KV tier 3: a Redis store shared by the workers (redis://host:port/db, or "
+            "rediss:// for TLS), holding sealed KV blocks. Empty: off.", (PREFILL, COLOCATED),
+            check=redis_url, up=True),
+    Setting("kv_remote_ttl_s", "--kv-remote-ttl-s", "PDMESH_KV_REMOTE_TTL_S", float, 86400.0,
+            "KV tier 3: the expiry of a block written to the store, in seconds.",
+            (PREFILL, COLOCATED), check=positive, up=True),
+    Setting("kv_remote_timeout_s", "--kv-remote-timeout-s", "PDMESH_KV_REMOTE_TIMEOUT_S",
+            float, 0.5, "KV tier 3: socket timeout of one store call; a slower store is a "
+            "miss (the block is computed) and counted.", (PREFILL, COLOCATED), check=positive,
+            up=True),
+    Setting("kv_tier_key", "--kv-tier-key", "PDMESH_KV_TIER_KEY", str, DEV_KV_TIER_KEY,
+            "Workers: the key (hex, 32 bytes) from which each tenant's KV-tier keys are "
+            "derived: blocks on disk and in the store are sealed under them, and only workers "
+            "hold it, not the store. `pdmesh secrets` writes one to kvtier.env; `pdmesh up` "
+            "makes a fresh one per run unless given (give one to keep tier 2/3 warm across "
+            "runs). The default is a dev key, refused without --allow-dev-credentials.",
+            (PREFILL, COLOCATED), check=hex_key, up=True, secret=True),
     Setting("on_capacity_mismatch", "--on-capacity-mismatch", "PDMESH_ON_CAPACITY_MISMATCH",
             str, "clamp", "When configured context exceeds the real pool: `clamp` the served "
             "context (logged loudly) or `fail` at start.", WORKERS, choices=MISMATCH_POLICIES,

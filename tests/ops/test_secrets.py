@@ -12,7 +12,7 @@ from pdmesh.services.ops import natsauth
 from pdmesh.services.protocol import tickets
 
 FILES = {"signing.env": "PDMESH_SIGNING_KEY", "verify.env": "PDMESH_VERIFY_KEY",
-         "salt.env": "PDMESH_SALT_KEY"}
+         "salt.env": "PDMESH_SALT_KEY", "kvtier.env": "PDMESH_KV_TIER_KEY"}
 
 
 def _read(path: Path) -> dict[str, str]:
@@ -30,10 +30,12 @@ def test_secrets_writes_one_key_file_per_holder(tmp_path: Path) -> None:
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
         keys[var] = env[var]
     assert keys["PDMESH_VERIFY_KEY"] == tickets.verify_key_of(keys["PDMESH_SIGNING_KEY"])
-    assert len(set(keys.values())) == 3
-    # The files say who mounts them (compose: env_file), and every role mounts one.
+    assert len(set(keys.values())) == 4
+    # The files say who mounts them (compose: env_file): every role mounts one, and prefill
+    # and colocated workers the KV-tier key besides.
     holders = [r for _, roles in natsauth.KEY_FILES.values() for r in roles]
-    assert sorted(holders) == sorted(natsauth.ROLES)
+    assert sorted(holders) == sorted([*natsauth.ROLES, "prefill", "colocated"])
+    assert natsauth.KEY_FILES["kvtier.env"] == ("PDMESH_KV_TIER_KEY", ("prefill", "colocated"))
     assert natsauth.KEY_FILES["signing.env"] == ("PDMESH_SIGNING_KEY", ("admission",))
 
 
@@ -59,6 +61,7 @@ def test_secrets_keeps_existing_keys_and_derives_the_verify_key(tmp_path: Path) 
     ("signing.env", "PDMESH_SIGNING_KEY=not-a-key\n"),
     ("signing.env", "PDMESH_MESH_SECRET=old\n"),
     ("salt.env", "PDMESH_SALT_KEY=" + "ab" * 31 + "\n"),
+    ("kvtier.env", "PDMESH_KV_TIER_KEY=xyz\n"),
 ])
 def test_a_malformed_kept_key_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                  name: str, text: str) -> None:

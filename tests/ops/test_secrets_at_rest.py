@@ -23,6 +23,7 @@ from pdmesh.services.protocol import tickets
 HOSTS = "10.9.8.7,nats.example"
 # Every file `pdmesh secrets` writes, by path under --out, with its mode.
 SECRETS = {"nats.conf": 0o600, "signing.env": 0o600, "verify.env": 0o600, "salt.env": 0o600,
+           "kvtier.env": 0o600,
            **{f"nats-{user}.env": 0o600 for user in (*natsauth.ROLES, natsauth.TOOLS_USER)}}
 CERTS = {"nats-ca.crt": 0o644, "nats-server.crt": 0o644, "nats-server.key": 0o600,
          "ca-private/nats-ca.key": 0o600}

@@ -26,12 +26,14 @@ from pdmesh.services.runtime.config import (
 from pdmesh.services.runtime.settings import ROLES
 
 KEYS = {"signing_key": "PDMESH_SIGNING_KEY", "verify_key": "PDMESH_VERIFY_KEY",
-        "salt_key": "PDMESH_SALT_KEY"}
-HOLDS = {"admission": {"signing_key"}, "prefill": {"verify_key"}, "decode": {"verify_key"},
-         "colocated": {"verify_key"}, "gateway": {"salt_key"}}
+        "salt_key": "PDMESH_SALT_KEY", "kv_tier_key": "PDMESH_KV_TIER_KEY"}
+HOLDS = {"admission": {"signing_key"}, "prefill": {"verify_key", "kv_tier_key"},
+         "decode": {"verify_key"}, "colocated": {"verify_key", "kv_tier_key"},
+         "gateway": {"salt_key"}}
 REAL = {"PDMESH_SIGNING_KEY": tickets.generate_signing_key(),
         "PDMESH_VERIFY_KEY": tickets.verify_key_of(tickets.generate_signing_key()),
         "PDMESH_SALT_KEY": secrets.token_hex(32),
+        "PDMESH_KV_TIER_KEY": secrets.token_hex(32),
         "PDMESH_TENANTS_FILE": "/etc/pdmesh/tenants.toml"}
 
 
@@ -56,7 +58,8 @@ def test_no_config_but_admissions_can_sign() -> None:
 
 @pytest.mark.parametrize("value", ["", "ab" * 31, "ab" * 33, "zz" * 32, "pdmesh-dev-secret"])
 @pytest.mark.parametrize("role,field", [("admission", "signing_key"),
-                                        ("decode", "verify_key"), ("gateway", "salt_key")])
+                                        ("decode", "verify_key"), ("gateway", "salt_key"),
+                                        ("prefill", "kv_tier_key")])
 def test_a_malformed_key_is_refused_naming_flag_and_env(role: str, field: str,
                                                         value: str) -> None:
     # By env var, and by flag (an empty env var means "not set", an empty flag does not).
@@ -77,12 +80,12 @@ def test_the_dev_pair_is_one_key_pair() -> None:
 @pytest.mark.parametrize("role", ROLES)
 def test_dev_keys_are_refused_unless_allowed(role: str) -> None:
     cfg = resolve(role, {}, {})
-    (field,) = HOLDS[role]
     found = dev_credentials(cfg)
-    assert any(f"dev {field.replace('_', ' ')}" in what for what in found), found
+    for field in HOLDS[role]:
+        assert any(f"dev {field.replace('_', ' ')}" in what for what in found), found
     with pytest.raises(ConfigError) as info:
         check_dev_credentials(cfg, allowed=False)
-    assert info.value.field == field and "--allow-dev-credentials" in str(info.value)
+    assert info.value.field in HOLDS[role] and "--allow-dev-credentials" in str(info.value)
     check_dev_credentials(cfg, allowed=True)
     real = resolve(role, {}, REAL)
     assert dev_credentials(real) == []
@@ -126,6 +129,11 @@ def test_up_makes_fresh_keys_per_run_unless_given() -> None:
     assert runs[0]["admission"]["PDMESH_SIGNING_KEY"] != runs[1]["admission"][
         "PDMESH_SIGNING_KEY"]
     assert runs[0]["gateway"]["PDMESH_SALT_KEY"] != runs[1]["gateway"]["PDMESH_SALT_KEY"]
+    assert runs[0]["prefill"]["PDMESH_KV_TIER_KEY"] != runs[1]["prefill"]["PDMESH_KV_TIER_KEY"]
+    tier_key = "e7" * 16 + "3c" * 16
+    kept = cli.up_env(cli.up_configs(_up_args(), colocated=False,
+                                     env={"PDMESH_KV_TIER_KEY": tier_key}), False)
+    assert kept["prefill"]["PDMESH_KV_TIER_KEY"] == tier_key  # tiers 2/3 stay readable
     signing, salt = tickets.generate_signing_key(), "cd" * 32
     by_flag = cli.up_env(cli.up_configs(_up_args(signing_key=signing, salt_key=salt),
                                         colocated=False, env={}), False)

@@ -53,7 +53,7 @@ def test_the_config_registers_every_secret_setting_and_nats_url_passwords() -> N
     password, url_password, salt = (secrets.token_urlsafe(12), secrets.token_urlsafe(12),
                                     secrets.token_hex(32))
     assert {s.field for s in SETTINGS if s.secret} == {"nats_password", "signing_key",
-                                                       "salt_key"}
+                                                       "salt_key", "kv_tier_key"}
     resolve("gateway", {}, {"PDMESH_NATS_PASSWORD": password, "PDMESH_NATS_USER": "gw",
                             "PDMESH_SALT_KEY": salt,
                             "PDMESH_NATS_URL": f"nats://gw:{url_password}@10.0.0.9:4222"})
