@@ -120,7 +120,7 @@ def up_configs(args: object, colocated: bool,
     the flags it uses) and the environment: every value is checked before anything
     starts, and each role is handed only its own. The keys are fresh for each run unless
     given (flag or env var): admission gets the signing key, the workers its verify key,
-    the gateway the salt key, prefill and colocated workers the KV-tier key."""
+    the gateway the salt key, prefill workers the KV-tier key."""
     from pdmesh.services.protocol import tickets
 
     env = os.environ if env is None else env

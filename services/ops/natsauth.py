@@ -24,7 +24,7 @@ secrets directory: `nats.conf` (the server's authorization block), one `nats-<ro
 role with its user and password, and the keys, each in a file only its holders mount:
 `signing.env` (admission's Ed25519 signing key), `verify.env` (its public key, for prefill,
 decode and colocated workers), `salt.env` (the gateway's cache-salt key) and `kvtier.env` (the
-key prefill and colocated workers seal KV-tier blocks under). The signing, salt and KV-tier
+key prefill workers seal KV-tier blocks under). The signing, salt and KV-tier
 keys are made when missing and kept when present (every host of a stack must share
 them); `verify.env` is always derived from `signing.env`.
 With `--hosts`, also the multi-host NATS cluster's files: a dev CA and server certificate
@@ -173,7 +173,7 @@ def env_file(ident: Identity) -> str:
 KEY_FILES = {"signing.env": ("PDMESH_SIGNING_KEY", ("admission",)),
              "verify.env": ("PDMESH_VERIFY_KEY", ("prefill", "decode", "colocated")),
              "salt.env": ("PDMESH_SALT_KEY", ("gateway",)),
-             "kvtier.env": ("PDMESH_KV_TIER_KEY", ("prefill", "colocated"))}
+             "kvtier.env": ("PDMESH_KV_TIER_KEY", ("prefill",))}
 
 
 class SecretsError(Exception):
@@ -195,8 +195,8 @@ def write_secrets(out: Path, roles: Iterable[str] = ROLES, hosts: Sequence[str] 
                   tls_dir: str = COMPOSE_SECRETS, note: certs.Note = certs.silent) -> list[Path]:
     """Write a compose secrets directory: `nats.conf`, `nats-<user>.env` per identity, and
     the keys, one file per holder: `signing.env` (admission's Ed25519 signing key),
-    `salt.env` (the gateway's cache-salt key), `kvtier.env` (the prefill and colocated
-    workers' KV-tier key), each made when missing and kept when present
+    `salt.env` (the gateway's cache-salt key), `kvtier.env` (the prefill workers'
+    KV-tier key), each made when missing and kept when present
     (every host of a stack must share them), and `verify.env` (the workers' verify key),
     always the public key of `signing.env`'s. With `hosts` (multi-host) also a fresh dev CA
     and server certificate (`certs.make_certs`) and `nats-cluster.conf`, which names them
@@ -297,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="pdmesh secrets",
         description="Write NATS credentials (one role-level user per role, per-subject "
                     "permissions) and the mesh's keys (signing.env for admission, verify.env "
-                    "for the workers, salt.env for the gateway, kvtier.env for prefill and "
-                    "colocated workers) into a compose secrets "
+                    "for the workers, salt.env for the gateway, kvtier.env for prefill "
+                    "workers) into a compose secrets "
                     "directory: files 0600, the directory 0700 (certificates 0644, the CA "
                     "key in ca-private/).")
     parser.add_argument("--out", required=True, type=Path,

@@ -234,25 +234,25 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("page_tokens", "--page-tokens", "PDMESH_PAGE_TOKENS", int, 16,
             "Tokens per KV page.", WORKERS, check=positive, up=True),
     Setting("kv_host_tokens", "--kv-host-tokens", "PDMESH_KV_HOST_TOKENS", int, 131072,
-            "KV tier 1: host memory under a prefill/colocated worker's pool, in tokens, that "
+            "KV tier 1: host memory under a prefill worker's pool, in tokens, that "
             "keeps the prefix cache's blocks (prompt KV) after the pool evicts them. 0: off "
-            "(docs/KVTIERS.md).", (PREFILL, COLOCATED), check=non_negative, up=True),
+            "(docs/KVTIERS.md).", (PREFILL,), check=non_negative, up=True),
     Setting("kv_disk_dir", "--kv-disk-dir", "PDMESH_KV_DISK_DIR", str, "",
             "KV tier 2: a directory for sealed (AES-GCM) KV blocks, kept across restarts. "
-            "Empty: off.", (PREFILL, COLOCATED), up=True),
+            "Empty: off.", (PREFILL,), up=True),
     Setting("kv_disk_gib", "--kv-disk-gib", "PDMESH_KV_DISK_GIB", float, 8.0,
             "KV tier 2: the most the directory holds, in GiB; the oldest-valued blocks go "
-            "first.", (PREFILL, COLOCATED), check=positive, up=True),
+            "first.", (PREFILL,), check=positive, up=True),
     Setting("kv_remote_url", "--kv-remote-url", "PDMESH_KV_REMOTE_URL", str, "",
             "KV tier 3: a Redis store shared by the workers (redis://host:port/db, or "
-            "rediss:// for TLS), holding sealed KV blocks. Empty: off.", (PREFILL, COLOCATED),
+            "rediss:// for TLS), holding sealed KV blocks. Empty: off.", (PREFILL,),
             check=redis_url, up=True),
     Setting("kv_remote_ttl_s", "--kv-remote-ttl-s", "PDMESH_KV_REMOTE_TTL_S", float, 86400.0,
             "KV tier 3: the expiry of a block written to the store, in seconds.",
-            (PREFILL, COLOCATED), check=positive, up=True),
+            (PREFILL,), check=positive, up=True),
     Setting("kv_remote_timeout_s", "--kv-remote-timeout-s", "PDMESH_KV_REMOTE_TIMEOUT_S",
             float, 0.5, "KV tier 3: socket timeout of one store call; a slower store is a "
-            "miss (the block is computed) and counted.", (PREFILL, COLOCATED), check=positive,
+            "miss (the block is computed) and counted.", (PREFILL,), check=positive,
             up=True),
     Setting("kv_tier_key", "--kv-tier-key", "PDMESH_KV_TIER_KEY", str, DEV_KV_TIER_KEY,
             "Workers: the key (hex, 32 bytes) from which each tenant's KV-tier keys are "
@@ -260,7 +260,7 @@ SETTINGS: tuple[Setting, ...] = (
             "hold it, not the store. `pdmesh secrets` writes one to kvtier.env; `pdmesh up` "
             "makes a fresh one per run unless given (give one to keep tier 2/3 warm across "
             "runs). The default is a dev key, refused without --allow-dev-credentials.",
-            (PREFILL, COLOCATED), check=hex_key, up=True, secret=True),
+            (PREFILL,), check=hex_key, up=True, secret=True),
     Setting("on_capacity_mismatch", "--on-capacity-mismatch", "PDMESH_ON_CAPACITY_MISMATCH",
             str, "clamp", "When configured context exceeds the real pool: `clamp` the served "
             "context (logged loudly) or `fail` at start.", WORKERS, choices=MISMATCH_POLICIES,

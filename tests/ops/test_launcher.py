@@ -164,7 +164,7 @@ def test_each_process_gets_only_its_roles_key(colocated: bool) -> None:
     for spec in specs:
         env = launcher.child_env(spec, outer)
         own = holds.get(spec.role, "PDMESH_VERIFY_KEY")
-        tier = ["PDMESH_KV_TIER_KEY"] if spec.role in ("prefill", "colocated") else []
+        tier = ["PDMESH_KV_TIER_KEY"] if spec.role == "prefill" else []
         assert [k for k in KEY_ENV if k in env] == [own, *tier], spec.name
         assert not tier or env[tier[0]] != "ff" * 32
         assert env[own] != "ff" * 32 and env["HOME"] == "/home/x"

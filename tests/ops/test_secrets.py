@@ -32,10 +32,10 @@ def test_secrets_writes_one_key_file_per_holder(tmp_path: Path) -> None:
     assert keys["PDMESH_VERIFY_KEY"] == tickets.verify_key_of(keys["PDMESH_SIGNING_KEY"])
     assert len(set(keys.values())) == 4
     # The files say who mounts them (compose: env_file): every role mounts one, and prefill
-    # and colocated workers the KV-tier key besides.
+    # workers the KV-tier key besides.
     holders = [r for _, roles in natsauth.KEY_FILES.values() for r in roles]
-    assert sorted(holders) == sorted([*natsauth.ROLES, "prefill", "colocated"])
-    assert natsauth.KEY_FILES["kvtier.env"] == ("PDMESH_KV_TIER_KEY", ("prefill", "colocated"))
+    assert sorted(holders) == sorted([*natsauth.ROLES, "prefill"])
+    assert natsauth.KEY_FILES["kvtier.env"] == ("PDMESH_KV_TIER_KEY", ("prefill",))
     assert natsauth.KEY_FILES["signing.env"] == ("PDMESH_SIGNING_KEY", ("admission",))
 
 

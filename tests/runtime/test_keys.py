@@ -28,7 +28,7 @@ from pdmesh.services.runtime.settings import ROLES
 KEYS = {"signing_key": "PDMESH_SIGNING_KEY", "verify_key": "PDMESH_VERIFY_KEY",
         "salt_key": "PDMESH_SALT_KEY", "kv_tier_key": "PDMESH_KV_TIER_KEY"}
 HOLDS = {"admission": {"signing_key"}, "prefill": {"verify_key", "kv_tier_key"},
-         "decode": {"verify_key"}, "colocated": {"verify_key", "kv_tier_key"},
+         "decode": {"verify_key"}, "colocated": {"verify_key"},
          "gateway": {"salt_key"}}
 REAL = {"PDMESH_SIGNING_KEY": tickets.generate_signing_key(),
         "PDMESH_VERIFY_KEY": tickets.verify_key_of(tickets.generate_signing_key()),
