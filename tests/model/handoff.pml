@@ -25,8 +25,23 @@
  *
  * Processes: Client(r) is the gateway's request and admission's handling of it (decide,
  * reserve with a timeout and ReserveCancel, dispatch, the stream, resume on LOST for r0);
- * Prefill(r, att, ep, n) is one prefill job; Receiver is decode's data-plane endpoint;
- * Decode is decode's control loop over its pool; Attacker sends one frame without the key.
+ * Prefill(r, att, ep, n) is one prefill job, which may take any page from the KV tiers;
+ * Receiver is decode's data-plane endpoint; Decode is decode's control loop over its pool;
+ * Attacker sends one frame without the key.
+ *
+ * KV tiers: prefill's host memory, disk and remote store are one untrusted store of sealed
+ * entries. An entry is whose KV it holds: the tenant whose per-salt key sealed it and the
+ * prompt whose tokens it covers (KV(tenant, prompt)); r0 and r1 are different tenants. The
+ * store holds one entry slot, and anyone may have written it since the last lookup: an
+ * earlier prefill of the same tenant and prompt, another tenant's worker, a stale write,
+ * an attacker without the tier key (an altered or forged entry, which no tenant's key
+ * opens). So the model lets the store choose the entry at each lookup: none, the request's
+ * own, another tenant's for the same tokens, or its own tenant's for other tokens. This
+ * contains every history of puts and foreign writes and keeps the store out of the state.
+ * A loaded page is marked written (readable by the remaining chunks, and sent to decode)
+ * only once its check passed (the entry's tenant is the request's and its tokens are the
+ * request's: the AEAD tag under the per-salt key and the header's token ids); a refused
+ * entry is computed instead. Pages carry, besides their epoch, whose KV their bytes are.
  *
  * Faults: control messages (Abort, Release, ReserveCancel, the dispatch, reserve replies,
  * stream events) may be lost; each sender's messages arrive in order on its own link and
@@ -41,7 +56,10 @@
  * reservation id" (the code's key is fresh per reservation and bound to the epoch); the
  * receiver does not check page order or duplicates (the code does); a page holds a whole
  * request's worth of tokens; admission is modelled per request, so admissions of
- * different requests interleave freely.
+ * different requests interleave freely. The tier check is only "this tenant, these tokens"
+ * (the code also refuses another model, another geometry and entries older than the
+ * tenant's purge), and the store may answer anything at any lookup; a loaded page stands
+ * for the page's loaded prefix, whose tokens after it are computed on it.
  *
  * Variants (one guard removed each, selected with spin -D<NAME>):
  *   NO_REJECT_FIRST   admission reserves before it decides
@@ -54,6 +72,7 @@
  *   NO_QUARANTINE     a fence that ended with a write in flight frees the pages
  *   TELL_FIRST        decode tells the client before it frees (a failed publish leaks)
  *   RELEASE_TWICE     a late Abort frees a lease's pages again (release not idempotent)
+ *   NO_TIER_CHECK     prefill copies a block it loaded from the tiers whatever its check said
  */
 
 #define NREQ    3
@@ -73,6 +92,12 @@
 #define QUAR    254      /* quarantined: never leased again */
 #define FOREIGN 253      /* bytes from a sender without the key */
 
+/* whose KV a page's bytes are: the tenant whose key sealed them, the prompt whose tokens they
+   cover. Request r is tenant r sending prompt r; OTHER is any other tenant or prompt. */
+#define KV(tenant, prompt) ((tenant) * 4 + (prompt))
+#define OTHER   3
+#define MINE(r) KV(r, r)
+
 mtype = { RESERVE, CANCEL,                          /* admission -> decode */
           RELEASE, DONE,                            /* prefill -> decode */
           ABORT,                                    /* gateway -> decode */
@@ -89,6 +114,8 @@ byte need[NREQ];
 /* decode's pool */
 byte owner[NPAGES];      /* epoch of the lease holding the page, FREE or QUAR */
 byte content[NPAGES];    /* epoch whose bytes the page holds (FREE: never written) */
+bool own_kv[NPAGES];     /* and those bytes are the KV of that epoch's own request: its
+                            tenant's and its prompt's (false: never written) */
 byte next_epoch = 1;
 byte leased = 0;         /* pages held by live leases */
 
@@ -119,9 +146,11 @@ chan from_gw = [2] of { byte, byte };                /* Abort: r, attempt */
 chan committed = [2] of { byte, byte };
 chan rfailed = [2] of { byte, byte };
 chan to_gw[NREQ] = [2] of { mtype, byte };
-chan data[NLINKS] = [2] of { mtype, byte, byte, byte, bool };
-chan atk = [1] of { mtype, byte, byte, byte, bool };
-chan writes = [2] of { byte, byte, byte, byte, byte };  /* r, slot epoch, page, index, bytes */
+/* a frame: kind, r, epoch, index, key, whose KV its bytes are */
+chan data[NLINKS] = [2] of { mtype, byte, byte, byte, bool, byte };
+chan atk = [1] of { mtype, byte, byte, byte, bool, byte };
+/* r, slot epoch, page, index, bytes (an epoch or FOREIGN), whose KV */
+chan writes = [2] of { byte, byte, byte, byte, byte, byte };
 
 /* ---------------------------------------------------------------- the protocol trace */
 /* A simulation (spin -T) prints, on lines starting "T ", the protocol trace the code writes
@@ -130,6 +159,12 @@ chan writes = [2] of { byte, byte, byte, byte, byte };  /* r, slot epoch, page, 
    request attempt R<r>a<attempt>; a page holds 16 tokens. */
 #define T_PAGES(r) if :: need[r] == 1 -> printf(",'pages':[%d]", pg[r * 2]) \
                       :: else -> printf(",'pages':[%d,%d]", pg[r * 2], pg[r * 2 + 1]) fi
+/* prefill's side: the job on link j is process prefill:1<j>, its lease Q<epoch> holds pages
+   0..n-1 of its own pool Q (the model keeps prefill's pages out of the state; they print) */
+#define T_PF_PAGES(n) if :: n == 1 -> printf(",'pages':[0]") :: else -> printf(",'pages':[0,1]") fi
+#define T_PF_WRITTEN(j, ep, i) \
+  printf("T {'p':'prefill:1%d','ev':'written','pool':'Q','lease':'Q%d','epoch':%d,'page':%d,'tokens':16}\n", \
+         j, ep, ep, i)
 
 /* ---------------------------------------------------------------- the invariants */
 /* I1: a rejected request never holds a reservation or reaches a worker */
@@ -162,6 +197,35 @@ end:
 ltl i6 { <> [] (leased == 0) }
 
 /* ---------------------------------------------------------------- prefill's job */
+/* KV tiers: the lookup for page i found entry e. Its bytes go into the page, which is marked
+   written (readable by the remaining chunks, and sent) only once the entry's check passed:
+   its tenant is the request's and it covers the request's tokens. A refused entry is
+   computed instead. A miss (or a store down, slow or full) is prefill's computed branch. */
+#define TIER_OK(r, e) ((e) / 4 == (r) && (e) % 4 == (r))
+#ifndef NO_TIER_CHECK
+#define COPY_REFUSED false
+#else
+#define COPY_REFUSED true          /* the check's verdict ignored */
+#endif
+
+inline tier_load(e) {
+  atomic {
+    nfull(data[j]) ->
+    if
+    :: TIER_OK(r, e) || COPY_REFUSED ->
+       printf("T {'p':'prefill:1%d','ev':'tier_load','req':'R%da%d','lease':'Q%d','block':%d,'verified':%d,'pages':[%d]}\n",
+              j, r, att, ep, i, TIER_OK(r, e), i);
+       data[j]!DATA, r, ep, i, true, e
+    :: else ->
+       printf("T {'p':'prefill:1%d','ev':'tier_load','req':'R%da%d','lease':'Q%d','block':%d,'verified':0,'pages':[]}\n",
+              j, r, att, ep, i);
+       data[j]!DATA, r, ep, i, true, MINE(r)
+    fi;
+    T_PF_WRITTEN(j, ep, i);
+    i++
+  }
+}
+
 proctype Prefill(byte r, att, ep, n) {
   byte i = 0;
   byte j = LINK(r, att);
@@ -177,15 +241,23 @@ proctype Prefill(byte r, att, ep, n) {
   :: i < n ->
      if
      :: !PLAIN(r) -> goto quit                     /* dies, is cut off, or sees an abort */
-     :: atomic { data[j]!DATA, r, ep, i, true; i++ }
+     :: atomic { data[j]!DATA, r, ep, i, true, MINE(r); T_PF_WRITTEN(j, ep, i); i++ }  /* computes */
+     :: tier_load(KV(r, r))                        /* the tiers' entry: the request's own */
+     :: tier_load(KV(OTHER, r))                    /* another tenant's, for the same tokens */
+     :: tier_load(KV(r, OTHER))                    /* its tenant's, for other tokens */
      :: atomic { !PLAIN(r) && faults == 0 -> faults++; i++ }    /* misbehaves: skips a page it holds the key for */
      fi
   :: i == n -> break
   od;
-  data[j]!COMMIT, r, ep, n, true;
+  data[j]!COMMIT, r, ep, n, true, 0;
   if :: from_pf[j]!DONE, r, att :: skip fi;
 quit:
-  atomic { i = 0; j = 0; r = 0; att = 0; ep = 0; n = 0 }  /* a finished job's locals: one state */
+  atomic {
+    printf("T {'p':'prefill:1%d','ev':'free','pool':'Q','lease':'Q%d','epoch':%d", j, ep, ep);
+    T_PF_PAGES(n);
+    printf("}\n");
+    i = 0; j = 0; r = 0; att = 0; ep = 0; n = 0    /* a finished job's locals: one state */
+  }
 }
 
 /* ------------------------------------------- the gateway's request and admission's part */
@@ -234,6 +306,10 @@ reserve:
   atomic {
     printf("T {'p':'admission:2','ev':'reserve','req':'R%da%d','lease':'L%d'}\n", r, att, ep);
     printf("T {'p':'admission:2','ev':'dispatch','req':'R%da%d','lease':'L%d'}\n", r, att, ep);
+    printf("T {'p':'prefill:1%d','ev':'lease','pool':'Q','lease':'Q%d','req':'R%da%d','epoch':%d",
+           LINK(r, att), ep, r, att, ep);
+    T_PF_PAGES(n);
+    printf(",'shared':[],'tokens':%d,'page_tokens':16}\n", 16 * n);
     dispatched[r] = true; run Prefill(r, att, ep, n)
   };
   do
@@ -258,8 +334,8 @@ done:
    stands for any request: the attacker gains nothing from choosing r1) */
 active proctype Attacker() {
   if
-  :: atk!DATA, 0, 1, 0, false
-  :: atk!DATA, 0, 2, 0, false
+  :: atk!DATA, 0, 1, 0, false, KV(OTHER, OTHER)
+  :: atk!DATA, 0, 2, 0, false, KV(OTHER, OTHER)
   fi
 }
 
@@ -270,7 +346,7 @@ active proctype Attacker() {
 #define COVERED(r, n) true
 #endif
 
-inline frame(kind, r, ep, idx, key) {
+inline frame(kind, r, ep, idx, key, src) {
   if
   :: kind == DATA ->
      if
@@ -291,8 +367,8 @@ inline frame(kind, r, ep, idx, key) {
                   epoch[r], ep, idx);
            inflight[r]++;
            if
-           :: key -> writes!r, epoch[r], pg[r * 2 + idx], idx, ep
-           :: else -> writes!r, epoch[r], pg[r * 2 + idx], idx, FOREIGN
+           :: key -> writes!r, epoch[r], pg[r * 2 + idx], idx, ep, src
+           :: else -> writes!r, epoch[r], pg[r * 2 + idx], idx, FOREIGN, src
            fi
         fi
      fi
@@ -310,29 +386,30 @@ inline frame(kind, r, ep, idx, key) {
         fi
      fi
   fi;
-  kind = 0; r = 0; ep = 0; idx = 0; key = false
+  kind = 0; r = 0; ep = 0; idx = 0; key = false; src = 0
 }
 
 active proctype Receiver() {
   mtype kind;
-  byte r, ep, idx, p;
+  byte r, ep, idx, p, src;
   bool key;
 end:
   do
-  :: atomic { data[0]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
-  :: atomic { data[1]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
-  :: atomic { data[2]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
-  :: atomic { data[3]?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
-  :: atomic { atk?kind, r, ep, idx, key -> frame(kind, r, ep, idx, key) }
-  :: atomic { writes?r, ep, p, idx, kind ->         /* a write in flight ends: its bytes land */
+  :: atomic { data[0]?kind, r, ep, idx, key, src -> frame(kind, r, ep, idx, key, src) }
+  :: atomic { data[1]?kind, r, ep, idx, key, src -> frame(kind, r, ep, idx, key, src) }
+  :: atomic { data[2]?kind, r, ep, idx, key, src -> frame(kind, r, ep, idx, key, src) }
+  :: atomic { data[3]?kind, r, ep, idx, key, src -> frame(kind, r, ep, idx, key, src) }
+  :: atomic { atk?kind, r, ep, idx, key, src -> frame(kind, r, ep, idx, key, src) }
+  :: atomic { writes?r, ep, p, idx, kind, src ->    /* a write in flight ends: its bytes land */
      /* I3: no byte lands in a lease after its fence returned, nor in another lease
         (a quarantined page may still take it: it is never leased again) */
      assert(owner[p] == QUAR || owner[p] == ep);
      content[p] = kind;
+     own_kv[p] = (src == MINE(r));
      printf("T {'p':'decode:1','ev':'land','lease':'L%d','epoch':%d,'index':%d}\n", ep, ep, idx);
      if :: epoch[r] == ep -> landed[r] = landed[r] | (1 << idx) :: else fi;
      inflight[r]--;
-     kind = 0; r = 0; ep = 0; idx = 0; p = 0 }
+     kind = 0; r = 0; ep = 0; idx = 0; p = 0; src = 0 }
   od
 }
 
@@ -458,6 +535,9 @@ inline read_pages(r) {                              /* the first decode step's a
   :: k < need[r] ->
      /* I2: decode reads only pages written in its own lease's epoch */
      assert(owner[pg[r * 2 + k]] == epoch[r] && content[pg[r * 2 + k]] == epoch[r]);
+     /* I9: and those bytes are the KV of this request's own tenant and tokens (none came
+        from a tier entry of another tenant or another prompt) */
+     assert(own_kv[pg[r * 2 + k]]);
      k++
   :: else -> break
   od;

@@ -23,6 +23,11 @@ Rules, each named after the model's property or transition it mirrors:
               into quarantined pages); a fence returns only with no accepted write in flight.
   FENCE       a receiving pool frees a lease only after its fence returned, and quarantines
               only when the fence did not return.
+  TIER        a block loaded from the KV tiers (`tier_load`) is copied only when its entry's
+              check passed (`verified`; a refused entry copies nothing: its pages are
+              computed), and only into fresh pages of a live lease of this process: its own,
+              neither shared nor cached, not yet marked written (the pool's `written` lines
+              for them follow the load). A run without tier lines passes it.
   TELL        decode tells the client a request's end (any terminal event it publishes on
               the request's stream, by whatever path) only after its lease was released.
   I6          a process that stopped cleanly (its last line is `stop`) holds no lease of the
@@ -217,6 +222,26 @@ class _Process:
         if int(e["tokens"]) > lease.prefix():
             self.bad("I2", f"{lease.req} reads {e['tokens']} tokens, {lease.prefix()} written "
                      "in its epoch")
+
+    def on_tier_load(self, e: dict) -> None:
+        pages = [int(p) for p in e.get("pages", [])]
+        block = f"block {e.get('block')} of {e.get('req')}"
+        if not e.get("verified"):
+            if pages:
+                self.bad("TIER", f"{block} copied into pages {pages} though its entry was "
+                         "refused")
+            return
+        if not pages:
+            return
+        lease = self._lease(e, "TIER")
+        if lease is None:
+            return
+        for page in pages:
+            if page not in lease.pages or page in lease.shared or page in lease.cached:
+                self.bad("TIER", f"{block} loaded into page {page}, not a fresh page of "
+                         f"lease {lease.lease}")
+            elif page in lease.written:
+                self.bad("TIER", f"{block} loaded into page {page}, already marked written")
 
     # -- receive table ------------------------------------------------------------------
     def on_expect(self, e: dict) -> None:

@@ -49,11 +49,12 @@ VARIANTS = {
                       "I3"),
     "TELL_FIRST": ("release before telling the client", "I6"),
     "RELEASE_TWICE": ("release is idempotent", "I3"),
+    "NO_TIER_CHECK": ("a tier entry's check (tenant, tokens) before its block is copied", "I9"),
 }
 
 # an assertion's text in pan's report -> the invariant it states
 BROKEN = (("rejected", "I1"), ("content[", "I2"), ("owner[p]", "I3"), ("leased==0", "I6"),
-          ("invalid end state", "end state"), ("acceptance cycle", "I6"))
+          ("own_kv[", "I9"), ("invalid end state", "end state"), ("acceptance cycle", "I6"))
 
 
 def invariant_of(violation: str) -> str:
@@ -111,17 +112,20 @@ def model_trace(spin_output: str) -> dict[str, list[dict]]:
     return files
 
 
-def simulate(config: str, seed: int) -> tuple[list[tracecheck.Violation], bool, int]:
+def simulate(config: str, seed: int) -> tuple[list[tracecheck.Violation], bool, int, int]:
     """One random run of the unmutated model: the checker's violations of its trace,
-    whether it came to rest, and its number of trace lines."""
+    whether it came to rest, its number of trace lines, and its blocks loaded from the KV
+    tiers (verified entries; refused ones are computed)."""
     with tempfile.TemporaryDirectory(prefix="pdmesh-sim-") as tmp:
         shutil.copy(MODEL, Path(tmp) / MODEL.name)
         out = subprocess.run(["spin", "-T", f"-n{seed}", "-u100000", *CONFIGS[config],
                               MODEL.name], cwd=tmp, capture_output=True, text=True,
                              timeout=120).stdout
     files = model_trace(out)
-    rested = any(e["ev"] == "stop" for events in files.values() for e in events)
-    return tracecheck.check(files), rested, sum(map(len, files.values()))
+    events = [e for lines in files.values() for e in lines]
+    rested = any(e["ev"] == "stop" for e in events)
+    loaded = sum(1 for e in events if e["ev"] == "tier_load" and e.get("pages"))
+    return tracecheck.check(files), rested, len(events), loaded
 
 
 def run_one(name: str, config: str, defines: list[str], ltl: bool, timeout_s: float,
@@ -223,15 +227,17 @@ def main() -> int:
               f"{'' if broke in ([inv], []) else ' (found: ' + ', '.join(broke) + ')'}")
     simulations = {}
     for config, results in sims.items():
-        bad = [(seed, v) for seed, (vs, _, _) in enumerate(results, 1) for v in vs]
+        bad = [(seed, v) for seed, (vs, _, _, _) in enumerate(results, 1) for v in vs]
         ok &= not bad
         simulations[config] = {"runs": len(results), "violations": len(bad),
-                               "at_rest": sum(rested for _, rested, _ in results),
-                               "trace_lines": sum(n for _, _, n in results)}
+                               "at_rest": sum(rested for _, rested, _, _ in results),
+                               "trace_lines": sum(n for _, _, n, _ in results),
+                               "tier_loads": sum(t for _, _, _, t in results)}
         print(f"random runs ({config}): {len(results)}, "
               f"{simulations[config]['at_rest']} came to rest, "
-              f"{simulations[config]['trace_lines']} trace lines, {len(bad)} steps the trace "
-              "checker refused")
+              f"{simulations[config]['trace_lines']} trace lines "
+              f"({simulations[config]['tier_loads']} verified tier loads), {len(bad)} steps "
+              "the trace checker refused")
         for seed, v in bad[:10]:
             print(f"  seed {seed}: {v}")
     print(json.dumps({"ok": ok, "runs": [asdict(r) for r in runs], "variants": verdicts,
