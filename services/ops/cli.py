@@ -60,6 +60,7 @@ BENCH = {
     "transport": "pdmesh.loadtest.bench.transport",
     "admission": "pdmesh.loadtest.bench.admission",
     "prefix-cache": "pdmesh.loadtest.bench.prefix",
+    "kvcache": "pdmesh.loadtest.bench.kvcache",
     "disagg": "pdmesh.loadtest.bench.disagg",
     "fairness": "pdmesh.loadtest.bench.fairness",
     "structured": "pdmesh.loadtest.bench.structured",
@@ -68,7 +69,7 @@ BENCH = {
 }
 PASSTHROUGH = {"loadtest": "pdmesh.loadtest.cli", "soak": "pdmesh.loadtest.soak.run",
                "check": "pdmesh.loadtest.check", "secrets": "pdmesh.services.ops.natsauth",
-               "certs": "pdmesh.services.ops.certs"}
+               "certs": "pdmesh.services.ops.certs", "cache": "pdmesh.services.ops.cachecmd"}
 # The launcher hands these to the processes itself (each its own port, the NATS it started).
 UP_OWN = ("nats_url", "gateway_port")
 
@@ -238,7 +239,7 @@ HELP = ("-h", "--help")
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: pdmesh {up,serve,check,bench,loadtest,soak,secrets,certs} ...\n"
+    usage = ("usage: pdmesh {up,serve,check,bench,loadtest,soak,secrets,certs,cache} ...\n"
              "  up                      run the whole mesh locally (see pdmesh up --help)\n"
              "  serve <service>         run one service: " + ", ".join(SERVE) + "\n"
              "  check                   print each worker's configured context vs real pool\n"
@@ -246,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              "  loadtest                long-prompt load generator (OpenAI-compatible HTTP)\n"
              "  soak                    canary workload with oracle checks\n"
              "  secrets --out DIR       NATS credentials + the mesh's keys for compose stacks\n"
-             "  certs --out DIR --hosts  dev CA + NATS TLS certificates (multi-host)\n")
+             "  certs --out DIR --hosts  dev CA + NATS TLS certificates (multi-host)\n"
+             "  cache purge --tenant ID  delete a tenant's cached KV in every tier\n")
     if not argv or argv[0] in HELP:
         print(usage)
         return 0 if argv else 2

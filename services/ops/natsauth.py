@@ -108,7 +108,8 @@ def permissions(role: str, worker_id: str,
     if role == "prefill":
         return ((m.heartbeat_subject("prefill", worker_id), m.release_subject("*"),
                  tokens_any, m.UNREACHABLE_SUBJECT),
-                (m.dispatch_subject(worker_id), m.ABORT_SUBJECT, inbox, *stats_own), True)
+                (m.dispatch_subject(worker_id), m.ABORT_SUBJECT, m.CACHE_PURGE_SUBJECT, inbox,
+                 *stats_own), True)
     if role == "decode":
         return ((m.heartbeat_subject("decode", worker_id), tokens_any),
                 (m.reserve_subject(worker_id), m.release_subject(worker_id), m.ABORT_SUBJECT,
@@ -122,7 +123,8 @@ def permissions(role: str, worker_id: str,
                  m.stats_subject("prefill", worker_id), m.stats_subject("decode", worker_id)),
                 True)
     if role == "tools":
-        return ((f"{m.STATS_SUBJECT}.>",), (m.HEARTBEAT_WILDCARD, inbox), False)
+        return ((f"{m.STATS_SUBJECT}.>", m.CACHE_PURGE_SUBJECT), (m.HEARTBEAT_WILDCARD, inbox),
+                False)
     raise ValueError(f"no NATS permissions defined for role {role!r}")
 
 

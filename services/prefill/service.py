@@ -44,6 +44,7 @@ from pdmesh.services.engine.grammar import Grammars
 from pdmesh.services.engine.model import prefill_windows
 from pdmesh.services.engine.sampling import Sampler
 from pdmesh.services.prefill.scheduler import PrefillQueue
+from pdmesh.services.prefill.tiers import PrefillTiers, make_tiers
 from pdmesh.services.protocol import messages as m
 from pdmesh.services.protocol import streamauth, tickets
 from pdmesh.services.protocol.capacity import prefill_refusal
@@ -150,6 +151,9 @@ class PrefillJob:
     started_at: float = 0.0  # first chunk started
     computed_at: float = 0.0  # last chunk done
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # no chunk runs any more
+    tier_lookup: bool = False  # its first turn looks the KV tiers up (tiers.py)
+    tier_tokens: int = 0  # prompt tokens loaded from a KV tier (checked, then written)
+    offered: asyncio.Future[int] | None = None  # blocks being copied to the tiers
     failure: tuple[m.Outcome, str] | None = None  # what to tell decode and the client
     span: Any = None  # its trace span (tracing.py; None: off)
 
@@ -223,14 +227,45 @@ class PrefillService(WorkerBase):
             "computed (what the transfer adds to the time to first token)")
         self.prefix_cache = PrefixCache(self.pool, align_tokens=self.engine.prefix_align_tokens,
                                         on_evict=self.cache_evictions.inc)
+        # The cache salts each tenant's tickets carried (`pdmesh cache purge --tenant`).
+        self._tenant_salts: dict[str, set[str]] = {}
+        self.tiers: PrefillTiers | None = make_tiers(
+            cfg, self.pool, self.engine.prefix_align_tokens, self.fingerprint, r, self.trace)
 
     async def subscribe(self) -> None:
         wid = self.cfg.worker_id
         await self.rt.subscribe(m.dispatch_subject(wid), m.PrefillDispatch, self._on_dispatch,
                                 concurrent=False)
         await self.rt.subscribe(m.ABORT_SUBJECT, m.Abort, self._on_abort, concurrent=False)
+        await self.rt.subscribe(m.CACHE_PURGE_SUBJECT, m.CachePurge, self._on_purge)
         self.rt.spawn(self._loop(), "prefill-loop")
         self.rt.every(self.cfg.prefill_stall_s / 4, self._keepalive, "prefill-keepalive")
+
+    async def _on_purge(self, req: m.CachePurge, msg: Msg) -> None:
+        """Delete one salt's cached KV here: the pool's unpinned pages at once (pages a live
+        lease pins go when it ends), then every tier; answer what was removed."""
+        salts = ({req.cache_salt} if req.cache_salt else set()) | self._tenant_salts.get(
+            req.tenant, set())
+        removed: dict[str, int] = {"pool": 0}
+        error = ""
+        for salt in sorted(salts):
+            removed["pool"] += self.prefix_cache.purge(salt)
+            if self.tiers is None:
+                continue
+            try:
+                for tier, n in (await self.tiers.purge(salt)).items():
+                    removed[tier] = removed.get(tier, 0) + n
+            except Exception as exc:  # say so: the operator reruns the purge
+                log.exception("purging the KV tiers failed")
+                error = f"purging the KV tiers failed: {exc}"
+        log.info("cache purge: removed %s", removed)
+        await self.rt.respond(msg, m.CachePurged(worker_id=self.cfg.worker_id,
+                                                 removed=removed, error=error))
+
+    async def _on_drain(self) -> None:
+        await super()._on_drain()
+        if self.tiers is not None:
+            self.tiers.close()
 
     def queue_depth(self) -> int:
         """Prompts with compute ahead of a new one (waiting or taking turns): admission's
@@ -244,6 +279,15 @@ class PrefillService(WorkerBase):
         return sum(job.prompt_len - job.done_tokens for job in self.queue.jobs.values()
                    if not job.lifecycle.is_terminal)
 
+    def prefix_summary(self, limit: int) -> list[int]:
+        """The pool's cached prefixes first, then those host memory holds (tier 1): a
+        request whose prefix sits in this worker's host memory is routed here too."""
+        own = self.prefix_cache.summary(limit)
+        if self.tiers is None or len(own) >= limit:
+            return own
+        seen = set(own)
+        return own + [h for h in self.tiers.summary(limit) if h not in seen][:limit - len(own)]
+
     def counters(self) -> dict[str, float]:
         return {"dispatches": counter_total(self.dispatches),
                 "bootstraps": counter_total(self.bootstraps),
@@ -252,7 +296,8 @@ class PrefillService(WorkerBase):
                 "prefix_cache_queries": counter_total(self.cache_queries),
                 "prefix_cache_hit_tokens": counter_total(self.cache_hits),
                 "prefix_cache_evictions": counter_total(self.cache_evictions),
-                "prefix_cache_pages": float(self.prefix_cache.num_pages)}
+                "prefix_cache_pages": float(self.prefix_cache.num_pages),
+                **(self.tiers.counters() if self.tiers is not None else {})}
 
     # -- intake -------------------------------------------------------------------------
     async def _on_dispatch(self, d: m.PrefillDispatch, msg: Msg) -> None:
@@ -466,7 +511,8 @@ class PrefillService(WorkerBase):
             end(job.span, error=outcome.detail if outcome is not None
                 and outcome.code.kind is not m.Kind.FINISHED else "",
                 **{"pdmesh.outcome": outcome.label if outcome is not None else None,
-                   "pdmesh.cached_tokens": job.lease.cached_tokens if job.lease else None})
+                   "pdmesh.cached_tokens": job.lease.cached_tokens + job.tier_tokens
+                   if job.lease else None})
             job.span = None
 
     def _sending(self) -> bool:
@@ -477,12 +523,17 @@ class PrefillService(WorkerBase):
         """The job has its lease: start its transfer (pages stream as chunks finish)."""
         job.lease = lease
         cached = lease.cached_tokens
+        if job.dispatch.ticket.cache_salt:
+            self._tenant_salts.setdefault(job.tenant, set()).add(job.dispatch.ticket.cache_salt)
         self.cache_queries.inc()
         self.cache_hits.inc(cached)
         job.lifecycle.advance(RequestState.PREFILLING)
         self.bootstraps.inc()
         job.done_tokens = cached
         job.windows = prefill_windows(cached, job.prompt_len - cached)
+        # The prompt's own logprobs need every position computed: no tier either.
+        job.tier_lookup = (self.tiers is not None
+                           and job.dispatch.sampling.prompt_logprobs is None)
         buffers = outgoing_pages(self.pool, lease, job.prompt_len)
         job.pages = TimedPages(len(buffers), cached // self.pool.spec.page_tokens)
         job.send_task = self.rt.spawn(self._transfer(job, buffers), f"send:{job.request_id}")
@@ -495,12 +546,15 @@ class PrefillService(WorkerBase):
         if life.is_terminal or not job.windows:  # guard: abort-stops-prefill
             self._stop_compute(job)
             return
-        start, length = job.windows.pop(0)
         d = job.dispatch
         if not job.started_at:
             job.started_at = time.monotonic()
             self.queue_seconds.observe(job.started_at - job.received_at)
             self.rt.tracing.record("prefill.queue", job.span, job.received_at, job.started_at)
+        if job.tier_lookup:  # this turn loads what the tiers hold; the chunks follow
+            await self._load_tiers(job)
+            return
+        start, length = job.windows.pop(0)
         piece = d.prompt_ids[start:start + length]
         self._compute_since = chunk_at = time.monotonic()
         scored = d.sampling.prompt_logprobs
@@ -537,6 +591,7 @@ class PrefillService(WorkerBase):
             await self._progress(job)
             return
         self.prefix_cache.insert(d.ticket.cache_salt, d.prompt_ids, lease)
+        self._offer_tiers(job)
         sampler = sampler_for(d.sampling, d.ticket.max_tokens,
                               self.model.tokenizer.eos_token_ids, self.grammars)
         first = sampler.sample(logits)
@@ -544,13 +599,57 @@ class PrefillService(WorkerBase):
             await self._tell(d, m.tokens_subject(job.request_id), m.FirstTokenLogprobs(
                 request_id=job.request_id, token_id=first,
                 logprobs=sampler.take_logprobs(first)))
-        await self._report_cached(d, lease.cached_tokens)
+        await self._report_cached(d, lease.cached_tokens + job.tier_tokens)
         # The prefill ends here (first token sampled, the gateway told): what the transfer
         # takes from now on is what it adds to the time to first token.
         job.computed_at = time.monotonic()
         self.compute_seconds.observe(job.computed_at - job.started_at)
         release_pages(self.pool, lease, job.pages, job.prompt_len, first)
         self._stop_compute(job)
+
+    async def _load_tiers(self, job: PrefillJob) -> None:
+        """The job's first turn: the blocks after the pool's match that the KV tiers hold
+        and that pass their check are written into its pages; the chunks start after them.
+        A tier that fails costs only the cache: the blocks are computed."""
+        job.tier_lookup = False
+        lease, d = job.lease, job.dispatch
+        assert self.tiers is not None and lease is not None and job.pages is not None
+        loaded_at = time.monotonic()
+        try:
+            loaded = await self.tiers.load(lease, d.ticket.cache_salt, d.prompt_ids,
+                                           lease.cached_tokens)
+        except Exception:  # a bug or a broken store must cost the cache, not the request
+            log.exception("loading the KV tiers for %s failed; computing", job.request_id)
+            return
+        if not loaded:
+            return
+        job.tier_tokens = loaded
+        job.done_tokens = lease.cached_tokens + loaded
+        job.windows = prefill_windows(job.done_tokens, job.prompt_len - job.done_tokens)
+        self.rt.tracing.record("prefill.tier_load", job.span, loaded_at, time.monotonic(),
+                               **{"pdmesh.tier.tokens": loaded})
+        if not job.lifecycle.is_terminal:
+            release_pages(self.pool, lease, job.pages, job.done_tokens)
+
+    def _offer_tiers(self, job: PrefillJob) -> None:
+        """Hand the prompt's whole blocks to the KV tiers (copied while the lease pins
+        them; `_offered` waits for the copy before the lease goes)."""
+        if self.tiers is None or job.lease is None:
+            return
+        d = job.dispatch
+        try:
+            job.offered = self.tiers.offer(job.lease, d.ticket.cache_salt, d.prompt_ids)
+        except Exception:  # the request does not depend on the tiers
+            log.exception("offering %s to the KV tiers failed", job.request_id)
+
+    async def _offered(self, job: PrefillJob) -> None:
+        if job.offered is None:
+            return
+        try:
+            await job.offered
+        except Exception as exc:  # noqa: BLE001 - the tiers only lose these blocks
+            log.warning("copying %s to the KV tiers failed: %s", job.request_id, exc)
+        job.offered = None
 
     def _stop_compute(self, job: PrefillJob) -> None:
         """No chunk of this job runs any more: out of the turns; a send still waiting for
@@ -618,6 +717,7 @@ class PrefillService(WorkerBase):
             task = asyncio.current_task()
             if task is None or not task.cancelling():
                 await job.settled.wait()
+                await self._offered(job)  # the tiers' copy reads the lease's pages
                 # Release before telling: this worker's pages are back before anyone hears.
                 self.pool.release(job.lease, life.outcome.label if life.outcome
                                   else life.state.name.lower())

@@ -22,6 +22,8 @@ HEARTBEAT_WILDCARD: Final = f"{PREFIX}.heartbeat.>"
 ABORT_SUBJECT: Final = f"{PREFIX}.abort"
 STATS_SUBJECT: Final = f"{PREFIX}.stats"  # + ".<role>.<worker_id>" (request/reply)
 UNREACHABLE_SUBJECT: Final = f"{PREFIX}.admission.unreachable"
+# Operator -> prefill workers (request, many replies): delete one salt's KV in every tier.
+CACHE_PURGE_SUBJECT: Final = f"{PREFIX}.cache.purge"
 
 
 def heartbeat_subject(role: str, worker_id: str) -> str:
@@ -445,6 +447,24 @@ class PrefixCacheInfo(msgspec.Struct, frozen=True, kw_only=True, tag="prefix_cac
     request_id: str
     prompt_tokens: int
     cached_tokens: int
+
+
+class CachePurge(msgspec.Struct, frozen=True, kw_only=True, tag="cache_purge"):
+    """`pdmesh cache purge` -> every prefill worker: delete the cached KV of this cache salt
+    (a tenant's) in the pool and in every KV tier; each worker answers `CachePurged`. With
+    `tenant` too (or alone), also the salts the worker has seen that tenant's tickets carry."""
+
+    cache_salt: str = ""
+    tenant: str = ""
+
+
+class CachePurged(msgspec.Struct, frozen=True, kw_only=True, tag="cache_purged"):
+    """A prefill worker's answer to `CachePurge`: entries removed, by tier ("pool", "host",
+    "disk", "remote"), and what failed (a store that could not be reached)."""
+
+    worker_id: str
+    removed: dict[str, int] = {}
+    error: str = ""
 
 
 class StreamInterrupted(msgspec.Struct, frozen=True, kw_only=True, tag="interrupted"):

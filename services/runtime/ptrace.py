@@ -16,8 +16,10 @@ Events, by who emits them (fields after `ev`):
   receive table (transports/receiver.py; `lease` is the reservation id): expect, accept,
     land, commit, fail, fence, drop
   decode: reserve_in; admission: decide, reserve, cancel, dispatch; prefill: job,
-    commit_sent, release_sent; gateway: submit; every process: tell (a request's terminal
-    stream event, written by `ServiceRuntime.publish` as it leaves, whatever path sent it),
+    commit_sent, release_sent, tier_load (a block copied from a KV tier after its check:
+    req, lease, block, tier, verified, pages; services/prefill/tiers.py); gateway: submit;
+    every process: tell (a request's terminal stream event, written by
+    `ServiceRuntime.publish` as it leaves, whatever path sent it),
     start, then stop as the last line of a clean shutdown (a killed process has none).
 """
 

@@ -266,11 +266,17 @@ class WorkerBase:
             queue_depth=self.queue_depth(), active_requests=self.active_requests(),
             ready=not draining and self.data_plane_ready(), draining=draining,
             sent_at=time.time(),
-            prefix_hashes=cache.summary(summary_limit) if cache else [],
+            prefix_hashes=self.prefix_summary(summary_limit),
             prefix_align_tokens=cache.align_tokens if cache else 0,
             prefix_cached_tokens=cache.num_pages * pool.spec.page_tokens if cache else 0,
             tenant_tokens=self.tenant_tokens() if role is m.Role.DECODE else {},
             fingerprint=self.fingerprint))
+
+    def prefix_summary(self, limit: int) -> list[int]:
+        """The cached prefixes the heartbeat advertises for routing (prefill workers: the
+        prefix cache's, and those of its KV tiers)."""
+        cache = getattr(self, "prefix_cache", None)
+        return cache.summary(limit) if cache else []
 
     def counters(self) -> dict[str, float]:
         return {}

@@ -25,7 +25,8 @@ from pdmesh.services.runtime.settings import BY_FIELD, SETTINGS
 from tests.support.meshproc import REPO, mesh_env
 
 SECRET = [s for s in SETTINGS if s.secret]
-ROLE_OF = {"nats_password": "admission", "signing_key": "admission", "salt_key": "gateway"}
+ROLE_OF = {"nats_password": "admission", "signing_key": "admission", "salt_key": "gateway",
+           "kv_tier_key": "prefill"}
 
 
 def _value_for(field: str) -> str:
