@@ -11,11 +11,11 @@ from tests.kvstore.tiers.conftest import (
     BLOCK_TOKENS,
     GEOMETRY,
     MODEL,
-    RedisServer,
     payload,
     prompt,
     put_prompt,
 )
+from tests.support.redisproc import RedisServer
 
 TAG_A, TAG_B = "a" * 16, "b" * 16
 TIMEOUT_S = 0.3
