@@ -921,6 +921,42 @@ MUTATIONS = [
              (Replace("transport-unreachable", "return False"),),
              ("tests/transports/test_nixl_staging.py::"
               "test_unreachable_is_a_connect_failure_or_a_refusal_for_want_of_staging",)),
+    # The KV tiers (I9). Without the tag check the entry is still decrypted (AES-GCM's own
+    # counter mode, the tag not checked): an altered payload would be loaded as it is, and
+    # another tenant's entry under this tenant's name would be parsed.
+    Mutation("tier-mac", "a sealed KV tier entry is used only if it authenticates under "
+             "the tenant's key at its store name (I9)",
+             (Replace("tier-mac",
+                      "from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, "
+                      "modes\n"
+                      "plaintext = Cipher(algorithms.AES(keys.aead_key), modes.CTR("
+                      "nonce + bytes([0, 0, 0, 2]))).decryptor().update(sealed[:-16])"),),
+             ("tests/kvstore/tiers/test_entry.py::test_an_altered_byte_is_refused_mac",
+              "tests/kvstore/tiers/test_entry.py::"
+              "test_another_tenants_entry_planted_under_this_tenants_name_is_refused_mac",
+              "tests/kvstore/tiers/test_disk.py::"
+              "test_another_tenants_file_planted_under_this_tenants_name_is_refused_mac",
+              "tests/kvstore/tiers/test_remote.py::"
+              "test_an_altered_entry_in_the_store_is_refused_mac")),
+    Mutation("tier-tokens", "an authentic KV tier entry is used only for the block index, "
+             "parent digest and token ids the request itself has (I9)",
+             (Condition("tier-tokens", "False"),),
+             ("tests/kvstore/tiers/test_entry.py::"
+              "test_the_right_tenants_entry_for_other_tokens_is_refused_tokens",)),
+    Mutation("tier-stale", "a KV tier entry of another model or geometry, or created "
+             "before its tenant's purge, is refused (I9, I10)",
+             (Condition("tier-stale", "False"),),
+             ("tests/kvstore/tiers/test_entry.py::"
+              "test_another_model_geometry_or_version_is_refused_stale",
+              "tests/kvstore/tiers/test_entry.py::"
+              "test_an_entry_created_before_the_salts_purge_time_is_refused_stale",
+              "tests/kvstore/tiers/test_stack.py::"
+              "test_blocks_put_before_a_purge_never_come_back")),
+    Mutation("tier-host-tokens", "host memory returns a block only for the parent digest "
+             "and token ids kept beside it (I9)",
+             (Condition("tier-host-tokens", "False"),),
+             ("tests/kvstore/tiers/test_host.py::test_a_block_held_under_the_asked_digest_"
+              "for_other_ids_or_parent_is_not_returned",)),
 ]
 
 
