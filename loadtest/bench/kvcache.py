@@ -37,6 +37,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -310,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             if "remote" in tiers:
                 flags += ["--kv-remote-url", stack.enter_context(redis_store())]
             report[f"x{ratio:g}"] = run_ratio(args, ratio, budget_end, tuple(flags))
+        print(f"x{ratio:g}: {json.dumps(report[f'x{ratio:g}'])}", file=sys.stderr, flush=True)
     report["load_avg_end"] = os.getloadavg()[0]
-    print_report(report, args.json)
+    print_report(report, args.json, 3)
     return 0

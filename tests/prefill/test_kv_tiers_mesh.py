@@ -45,6 +45,16 @@ def complete(mesh: Mesh, prompt: str, tenant: str = "alice") -> tuple[int, str]:
     return int(body["usage"]["prompt_tokens_details"]["cached_tokens"]), text
 
 
+def seeded(mesh: Mesh, prompt: str) -> tuple[int, str]:
+    """(cached_tokens, text) of one seeded sampled completion."""
+    status, body = mesh.http("POST", "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.9, "seed": 7},
+        key=DEV_KEYS["alice"], timeout=120)
+    assert status == 200, body
+    return (int(body["usage"]["prompt_tokens_details"]["cached_tokens"]),
+            body["choices"][0]["text"])
+
+
 def tier_counters(mesh: Mesh) -> dict[str, float]:
     """The prefill worker's `kv_tier_*` counters (StatsReply)."""
     for reply in worker_stats(mesh.nats_url).values():
@@ -113,6 +123,12 @@ def test_an_evicted_prompt_comes_back_from_a_tier_and_no_other_tenant_gets_it(
     after = tier_counters(mesh)
     assert sum(after.get(f"kv_tier_hits_{t}", 0) - before.get(f"kv_tier_hits_{t}", 0)
                for t in ("host", "disk", "remote")) >= whole // PREFILL_CHUNK
+    # Seeded sampling too: the same text from computed and from loaded KV (I4).
+    sampled = prompt_of(f"seeded-{uuid.uuid4().hex}")
+    cold_cached, cold_text = seeded(mesh, sampled)
+    evict_from_pool_and_host(mesh, "evict-seeded")
+    warm_cached, warm_text = seeded(mesh, sampled)
+    assert (cold_cached, warm_cached, warm_text) == (0, whole, cold_text)
     # The same tokens from another tenant: nothing from the pool or any tier (I7).
     evict_from_pool_and_host(mesh, "evict-again")
     assert complete(mesh, prompt, tenant="bob")[0] == 0
