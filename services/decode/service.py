@@ -583,6 +583,11 @@ class DecodeService(WorkerBase):
             untold, dreq.untold = dreq.untold[0], None
             await self.tell(dreq, untold)
         self.requests.pop(dreq.request_id, None)
+        if self.rt.nc.is_connected:  # admission counts the freed pages (the tenant's too)
+            try:                     # before the end is heard: a conversation's next turn
+                await self.heartbeat_soon()  # is not queued behind a stale heartbeat
+            except (nats.errors.Error, OSError) as exc:  # the periodic heartbeat follows
+                log.warning("early heartbeat not sent: %s", exc)
         if dreq.span is not None:
             self._trace_end(dreq, outcome, quarantine)
         if not dreq.quiet:  # the protocol trace's `tell` is written where it is published

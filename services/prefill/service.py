@@ -723,10 +723,21 @@ class PrefillService(WorkerBase):
                                   else life.state.name.lower())
                 self._done(job)
                 self._work.set()
+                await self._beat_soon()
         if job.failure is not None:
             await self._give_up(d, *job.failure)
         if unreachable:
             await self._report_unreachable(d, unreachable)
+
+    async def _beat_soon(self) -> None:
+        """Admission hears the freed pages now, not at the next heartbeat (it charges a
+        dispatched prompt to this worker until a heartbeat shows it)."""
+        if not self.rt.nc.is_connected:
+            return
+        try:
+            await self.heartbeat_soon()
+        except (nats.errors.Error, OSError) as exc:  # the periodic heartbeat follows
+            log.warning("early heartbeat not sent: %s", exc)
 
     async def _publish_timing(self, job: PrefillJob, transfer_s: float,
                               exposed_s: float) -> None:

@@ -41,6 +41,9 @@ from pdmesh.transports import KVTransport, make_service_transport, stop_ucx_noti
 
 log = logging.getLogger("pdmesh.worker")
 T = TypeVar("T")
+# The least time between two heartbeats sent out of turn (`heartbeat_soon`): a burst of
+# releases costs at most this many a second, 1 / EARLY_HEARTBEAT_S.
+EARLY_HEARTBEAT_S = 0.02
 
 
 def _on_threads(threads: int, fn: Callable[..., T], *args: Any) -> T:
@@ -149,6 +152,8 @@ class WorkerBase:
         # calls never overlap (the pool is mutated only on the event loop thread).
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.seen_requests: collections.deque[str] = collections.deque(maxlen=2048)
+        self._last_heartbeat = 0.0  # time.monotonic() of the last one sent
+        self._early_heartbeat: asyncio.Task[None] | None = None  # one due (heartbeat_soon)
         r = self.rt.registry
         Gauge("pdmesh:capacity_mismatch", "1 when configured context > real pool capacity",
               registry=r).set(1 if self.mismatch else 0)
@@ -241,7 +246,24 @@ class WorkerBase:
         """KV tokens held per tenant, for the decode heartbeat (prefill: none)."""
         return {}
 
+    async def heartbeat_soon(self) -> None:
+        """A heartbeat now, out of turn: capacity just freed (a released lease) that
+        admission should count before anyone hears that the request ended, or a
+        conversation's next turn waits up to a heartbeat interval in admission's queue.
+        At most one per EARLY_HEARTBEAT_S; one due sooner goes out that much later."""
+        wait = self._last_heartbeat + EARLY_HEARTBEAT_S - time.monotonic()
+        if wait <= 0:
+            await self.heartbeat()
+        elif self._early_heartbeat is None or self._early_heartbeat.done():
+            self._early_heartbeat = self.rt.spawn(self._heartbeat_after(wait),
+                                                  "early-heartbeat")
+
+    async def _heartbeat_after(self, wait_s: float) -> None:
+        await asyncio.sleep(wait_s)
+        await self.heartbeat()
+
     async def heartbeat(self, draining: bool = False) -> None:
+        self._last_heartbeat = time.monotonic()
         draining = draining or self.rt.state >= ServiceState.DRAINING
         pool = self.pool
         self.pool_pages.labels("free").set(pool.num_free_pages)
