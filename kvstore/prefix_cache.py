@@ -1,4 +1,4 @@
-"""Tenant-salted prefix cache of whole KV pages: one radix tree per cache salt, LRU eviction.
+"""Tenant-salted prefix cache of whole KV pages: one radix tree per cache salt, S3-FIFO eviction.
 
 Key: (cache salt, token ids page by page). Every node is one whole page of `page_tokens`
 tokens, found under its parent by those token ids, and every salt has its own root, so a
@@ -17,18 +17,24 @@ lcm(page size, PREFILL_CHUNK): the KV bits a prefill computes depend on the chun
 only pages computed in a full chunk, exactly as the single-process reference computes them
 (invariant I4: outputs with and without the cache are identical).
 
-LRU. A path is touched deepest node first, so a parent is always more recent than its
-children; the oldest unpinned node is therefore a leaf, and one pass over the LRU order
-evicts whole chains leaf first.
+Eviction: S3-FIFO (`kvstore.evict`), one unit-size key per page, keyed by its chain hash
+(stable across evictions, unlike page ids, so the ghost queue recognises a prefix seen
+again). Serving traffic is what defeats LRU: a set of prompts cycling through a pool slightly
+too small for them makes LRU evict each prompt just before it comes back (hit rate ~0), and
+one burst of one-off prompts flushes every reused prefix. S3-FIFO lets new pages pass
+through a small queue, keeps pages reused (or seen again soon after eviction) in the main
+queue, and keeps much of such a cycle. A hit counts once for every page of the matched path.
+Only an unpinned leaf is ever evicted (`can_evict`): the policy skips pinned pages and the
+parents of cached pages, so chains still go leaf first and pins still form root paths.
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdmesh.kvstore.errors import PoolIntegrityError
+from pdmesh.kvstore.evict import S3FIFO
 from pdmesh.kvstore.lease import Lease
 from pdmesh.kvstore.pool import KVPool
 from pdmesh.kvstore.prefix_key import page_hash, root_hash
@@ -71,12 +77,13 @@ class PrefixCache:
         self.on_evict = on_evict
         self.stats = PrefixCacheStats()
         self._roots: dict[str, _Node] = {}
-        self._lru: collections.OrderedDict[int, _Node] = collections.OrderedDict()
+        self._nodes: dict[int, _Node] = {}  # chain hash -> node: the policy's keys
+        self._policy = S3FIFO(pool.num_pages)
         pool.reclaimer = self._reclaim
 
     @property
     def num_pages(self) -> int:
-        return len(self._lru)
+        return len(self._nodes)
 
     # ---- lookup -------------------------------------------------------------------------
     def _match(self, cache_salt: str, token_ids: Sequence[int]) -> list[_Node]:
@@ -112,7 +119,8 @@ class PrefixCache:
         if path:
             self.stats.hit_queries += 1
             self.stats.hit_tokens += lease.cached_tokens
-            self._touch(path[-1])
+            for node in path:
+                self._policy.touch(node.chain_hash)
         return lease
 
     # ---- insertion ----------------------------------------------------------------------
@@ -130,52 +138,52 @@ class PrefixCache:
         if node is None:
             node = self._roots[cache_salt] = _Node(-1, None, root_hash(cache_salt), 0,
                                                        salt=cache_salt)
-        added = 0
+        added: list[int] = []
         for index in range(limit // size):
             key = tuple(token_ids[index * size:(index + 1) * size])
             child = node.children.get(key)
             if child is None:
+                chain_hash = page_hash(node.chain_hash, key)
+                if chain_hash in self._nodes:
+                    break  # a 63-bit hash collision: leave it uncached, keep keys unique
                 page_id = self.pool.share(lease, index)
-                child = _Node(page_id, node, page_hash(node.chain_hash, key), node.depth + 1,
-                              key=key)
+                child = _Node(page_id, node, chain_hash, node.depth + 1, key=key)
                 node.children[key] = child
-                self._lru[page_id] = child
-                added += 1
+                self._nodes[chain_hash] = child
+                added.append(chain_hash)
             elif child.page_id != lease.page_ids[index]:
                 break  # cached meanwhile by another request: keep this lease's pins a path
             node = child
-        if node.parent is not None:
-            self._touch(node)
-        elif not node.children:
+        # Deepest first: the FIFOs then reach a new chain at its leaf and evict it leaf
+        # first without skipping its parents. No touch: `allocate` counted the hits.
+        for chain_hash in reversed(added):
+            self._policy.insert(chain_hash)
+        if node.parent is None and not node.children:
             del self._roots[cache_salt]
-        self.stats.inserted_pages += added
-        return added
-
-    def _touch(self, node: _Node) -> None:
-        """Mark the path root..node used, deepest first (parents stay more recent)."""
-        current: _Node | None = node
-        while current is not None and current.parent is not None:
-            self._lru.move_to_end(current.page_id)
-            current = current.parent
+        self.stats.inserted_pages += len(added)
+        return len(added)
 
     # ---- eviction -----------------------------------------------------------------------
     def _reclaim(self, num_pages: int) -> int:
-        """Evict up to `num_pages` least recently used unpinned pages, leaves first."""
+        """Evict up to `num_pages` unpinned leaves, in the policy's order."""
         freed = 0
-        for node in list(self._lru.values()):
-            if freed >= num_pages:
+        while freed < num_pages:
+            chain_hash = self._policy.pop_victim(self._evictable)
+            if chain_hash is None:
                 break
-            if node.children or self.pool.page_refs(node.page_id) > 0:
-                continue  # pinned (a reader holds it), or still the parent of a live page
-            self._evict(node)
+            self._evict(self._nodes.pop(chain_hash))
             freed += 1
         if freed and self.on_evict is not None:
             self.on_evict(freed)
         return freed
 
+    def _evictable(self, chain_hash: int) -> bool:
+        """Not pinned (no reader holds it) and not the parent of a cached page."""
+        node = self._nodes[chain_hash]
+        return not node.children and self.pool.page_refs(node.page_id) == 0
+
     def _evict(self, node: _Node) -> None:
         self.pool.evict(node.page_id)  # refuses a pinned page
-        del self._lru[node.page_id]
         parent = node.parent
         assert parent is not None
         del parent.children[node.key]
@@ -185,27 +193,40 @@ class PrefixCache:
 
     def clear(self) -> int:
         """Evict every unpinned page; returns how many."""
-        return self._reclaim(len(self._lru))
+        return self._reclaim(len(self._nodes))
 
     # ---- routing summary and integrity --------------------------------------------------
     def summary(self, limit: int) -> list[int]:
-        """Chain hashes of up to `limit` cached aligned prefixes, most recently used first
-        (a prefix's shorter aligned prefixes are always more recent, so they come first)."""
+        """Chain hashes of up to `limit` cached aligned prefixes, most valuable first: pages
+        with more recent hits first, ties in the reverse of the policy's eviction order (the
+        page it would keep longest first), each prefix preceded by its shorter aligned
+        prefixes (every hit on a prefix is a hit on those). O(cached pages)."""
         out: list[int] = []
+        if limit <= 0:
+            return out
         pages_per_align = self.align_tokens // self.page_tokens
-        for node in reversed(self._lru.values()):
-            if len(out) >= limit:
-                break
-            if node.depth % pages_per_align == 0:
-                out.append(node.chain_hash)
+        listed: set[int] = set()
+        ranked = sorted(reversed(list(self._policy.order())), key=self._policy.frequency,
+                        reverse=True)  # stable: ties keep the reversed eviction order
+        for chain_hash in ranked:
+            missing, node = [], self._nodes[chain_hash]
+            while node.parent is not None and node.chain_hash not in listed:
+                missing.append(node)
+                node = node.parent
+            for node in reversed(missing):  # root side first
+                listed.add(node.chain_hash)
+                if node.depth % pages_per_align == 0:
+                    out.append(node.chain_hash)
+                    if len(out) >= limit:
+                        return out
         return out
 
     def check_integrity(self) -> None:
         """The pool's check, plus: the tree holds exactly the pool's cached pages, links are
-        consistent, parents are more recent than children, pins form root paths."""
+        consistent, the policy holds exactly the tree's pages (by chain hash), pins form root
+        paths."""
         self.pool.check_integrity()
-        problems: list[str] = []
-        order = {page_id: i for i, page_id in enumerate(self._lru)}
+        problems: list[str] = list(self._policy.problems())
         seen: set[int] = set()
         stack = list(self._roots.values())
         while stack:
@@ -217,15 +238,19 @@ class PrefixCache:
                     problems.append(f"page {child.page_id}: broken tree link")
                 if child.chain_hash != page_hash(node.chain_hash, key):
                     problems.append(f"page {child.page_id}: wrong chain hash")
-                if node.parent is not None and order.get(node.page_id, -1) < order.get(
-                        child.page_id, -1):
-                    problems.append(f"page {child.page_id} more recent than its parent")
+                if self._nodes.get(child.chain_hash) is not child:
+                    problems.append(f"page {child.page_id}: not indexed by its chain hash")
                 if node.parent is not None and (self.pool.page_refs(node.page_id)
                                                 < self.pool.page_refs(child.page_id)):
                     problems.append(f"page {child.page_id} pinned more than its parent")
         cached = {p for p in range(self.pool.num_pages) if self.pool.is_cached(p)}
-        if seen != set(self._lru) or seen != cached:
-            problems.append(f"tree pages {len(seen)}, LRU {len(self._lru)}, pool cached "
+        indexed = {node.page_id for node in self._nodes.values()}
+        if seen != indexed or seen != cached or len(seen) != len(self._nodes):
+            problems.append(f"tree pages {len(seen)}, index {len(self._nodes)}, pool cached "
                             f"{len(cached)} differ")
+        if (len(self._policy) != len(self._nodes) or self._policy.size != len(self._nodes)
+                or not all(chain_hash in self._policy for chain_hash in self._nodes)):
+            problems.append(f"policy holds {len(self._policy)} pages, the tree "
+                            f"{len(self._nodes)}")
         if problems:
             raise PoolIntegrityError(problems)

@@ -166,7 +166,7 @@ def test_eviction_under_pressure_never_frees_a_pinned_page() -> None:
     check(cache)
 
 
-def test_lru_evicts_least_recent_leaves_first() -> None:
+def test_eviction_spares_reused_pages_and_takes_leaves_first() -> None:
     pool, cache = make(num_pages=12)
     for rid, salt in (("a", ALICE), ("b", BOB)):
         pool.release(prefill(pool, cache, salt, PROMPT, rid), "done")
@@ -174,6 +174,66 @@ def test_lru_evicts_least_recent_leaves_first() -> None:
     pool.allocate("x", 6 * PAGE + 1)  # needs 7 of 6 free: evicts bob's leaf page only
     assert cache.cached_tokens(BOB, PROMPT + [0]) == 8
     assert cache.cached_tokens(ALICE, PROMPT + [0]) == 12
+    check(cache)
+
+
+def run_cycle(cache: PrefixCache, prompts: list[list[int]], rounds: int) -> float:
+    """Prefill the prompts round-robin (one at a time, each released before the next),
+    checking integrity after every step; the fraction of prompt tokens served cached."""
+    pool, served, total = cache.pool, 0, 0
+    for step in range(rounds * len(prompts)):
+        tokens = prompts[step % len(prompts)]
+        lease = prefill(pool, cache, ALICE, tokens, f"r{step}")
+        assert_pages_are_mine(pool, lease, ALICE, tokens)
+        served += lease.cached_tokens
+        total += len(tokens) - 1  # the last token is always computed
+        pool.release(lease, "done")
+        check(cache)
+    return served / total
+
+
+def test_cyclic_prompts_slightly_over_the_pool_keep_hitting() -> None:
+    """5 prompts of 8 pages round-robin over a pool that caches 4 of them: LRU evicts each
+    prompt just before it returns (0 of 200 prefills hit); S3-FIFO keeps most of them in
+    its main queue (~55% of the tokens, of at most 80%)."""
+    pages = 8
+    pool, cache = make(num_pages=4 * pages + 1)
+    prompts = [[1000 * p + i for i in range(pages * PAGE + 1)] for p in range(5)]
+    assert run_cycle(cache, prompts, rounds=40) > 0.4
+    assert cache.stats.hit_queries > cache.stats.queries // 2
+    cached = cache.num_pages
+    assert cache.clear() == cached  # nothing pinned: one clear empties it
+    assert cache.num_pages == 0 and pool.num_free_pages == pool.num_pages
+    check(cache)
+
+
+def test_a_burst_of_one_off_prompts_does_not_flush_a_reused_prefix() -> None:
+    """A system prompt reused a few times survives a scan of distinct prompts that fills
+    the pool several times over (LRU would evict it first)."""
+    pool, cache = make(num_pages=40)
+    system = list(range(500, 500 + 4 * PAGE))
+    for i in range(3):
+        pool.release(prefill(pool, cache, ALICE, system + [i]), "done")
+    for i in range(60):
+        pool.release(prefill(pool, cache, ALICE, [10_000 + 100 * i + t for t in range(
+            3 * PAGE + 1)], f"scan{i}"), "done")
+        check(cache)
+    assert cache.cached_tokens(ALICE, system + [0]) == 4 * PAGE
+    cache.clear()
+    assert pool.num_free_pages == pool.num_pages
+    check(cache)
+
+
+def test_summary_lists_the_most_valuable_prefixes_shortest_first() -> None:
+    pool, cache = make(num_pages=32, align=2 * PAGE)
+    hot, cold = list(range(17)), list(range(100, 117))  # 2 aligned blocks each
+    for tokens in (hot, cold):
+        pool.release(prefill(pool, cache, ALICE, tokens), "done")
+    pool.release(cache.allocate("again", ALICE, hot), "done")  # hot's pages are reused
+    hot_hashes = list(aligned_prefix_hashes(ALICE, hot, PAGE, 2 * PAGE, 16))
+    cold_hashes = list(aligned_prefix_hashes(ALICE, cold, PAGE, 2 * PAGE, 16))
+    assert cache.summary(10) == hot_hashes + cold_hashes
+    assert cache.summary(1) == hot_hashes[:1] and cache.summary(0) == []
     check(cache)
 
 
@@ -185,6 +245,21 @@ def test_integrity_detects_bad_pin_counts() -> None:
         pool.check_integrity()
     pool._page_refs[lease.page_ids[0]] += 1
     pool.release(lease, "done")
+    check(cache)
+
+
+def test_integrity_detects_a_page_the_policy_lost_or_gained() -> None:
+    pool, cache = make()
+    pool.release(prefill(pool, cache, ALICE, PROMPT), "done")
+    chain_hash = next(iter(cache._nodes))
+    cache._policy.remove(chain_hash)
+    with pytest.raises(PoolIntegrityError, match="policy holds 2 pages"):
+        cache.check_integrity()
+    cache._policy.insert(chain_hash)
+    cache._policy.insert("stray")
+    with pytest.raises(PoolIntegrityError, match="policy holds 4 pages"):
+        cache.check_integrity()
+    cache._policy.remove("stray")
     check(cache)
 
 
