@@ -83,7 +83,7 @@ class KVPool:
         self._shared: dict[str, np.ndarray] = {}
         self._sharing: set[str] = set()  # live leases holding a shared (cached) page
         # Called with a number of pages when an allocation finds too few free; returns how
-        # many it freed (the prefix cache evicts its LRU unpinned pages). Never frees pins.
+        # many it freed (the prefix cache evicts unpinned leaves, S3-FIFO). Never frees pins.
         self.reclaimer: Callable[[int], int] | None = None
         # The protocol trace's callback (module docstring); None: nothing is reported.
         self.observer: Callable[[str, dict], None] | None = None

@@ -195,6 +195,26 @@ class PrefixCache:
         """Evict every unpinned page; returns how many."""
         return self._reclaim(len(self._nodes))
 
+    def purge(self, cache_salt: str) -> int:
+        """Evict every unpinned page of one salt (`pdmesh cache purge`), leaves first;
+        returns how many. Pages a live lease pins stay until a later purge or eviction."""
+        root = self._roots.get(cache_salt) if cache_salt else None
+        if root is None:
+            return 0
+        order: list[_Node] = []  # parents before children: evicted in reverse
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        freed = 0
+        for node in reversed(order):
+            if self._evictable(node.chain_hash):
+                self._policy.remove(node.chain_hash)
+                self._evict(self._nodes.pop(node.chain_hash))
+                freed += 1
+        return freed
+
     # ---- routing summary and integrity --------------------------------------------------
     def summary(self, limit: int) -> list[int]:
         """Chain hashes of up to `limit` cached aligned prefixes, most valuable first: pages

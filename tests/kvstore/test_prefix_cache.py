@@ -102,6 +102,24 @@ def test_other_tenant_never_hits() -> None:
     check(cache)
 
 
+def test_purge_evicts_one_salts_unpinned_pages_and_no_others() -> None:
+    """`pdmesh cache purge`: alice's unpinned pages go, bob's stay; a page a live lease
+    pins stays until a later purge."""
+    pool, cache = make()
+    pool.release(prefill(pool, cache, ALICE, PROMPT, "a1"), "done")
+    pool.release(prefill(pool, cache, BOB, PROMPT, "b1"), "done")
+    pinned = prefill(pool, cache, ALICE, [7, 7, 7, 7, 8, 8, 8, 8, 9], "a2")
+    assert cache.purge(ALICE) == 3  # PROMPT's three pages; the pinned two stay
+    assert cache.cached_tokens(ALICE, PROMPT) == 0
+    assert cache.cached_tokens(BOB, PROMPT) == 12
+    assert cache.cached_tokens(ALICE, [7, 7, 7, 7, 8, 8, 8, 8, 9]) == 8
+    check(cache)
+    pool.release(pinned, "done")
+    assert cache.purge(ALICE) == 2 and cache.purge(ALICE) == 0 and cache.purge("") == 0
+    assert cache.cached_tokens(BOB, PROMPT) == 12
+    check(cache)
+
+
 def test_at_least_the_last_token_is_computed_and_hits_are_aligned() -> None:
     pool, cache = make(align=2 * PAGE)
     lease = prefill(pool, cache, ALICE, list(range(16)))

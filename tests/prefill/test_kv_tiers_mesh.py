@@ -6,9 +6,12 @@ the cache, never a request."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -180,6 +183,27 @@ def test_a_corrupted_disk_and_a_store_holding_forged_entries_cost_only_the_cache
     refused = sum(v - before.get(k, 0) for k, v in after.items()
                   if k.startswith("kv_tier_refused_"))
     assert refused >= 1, after
+
+
+def test_cache_purge_deletes_a_tenants_kv_in_every_tier_and_no_one_elses(
+        mesh: Mesh, keys: dict[str, str]) -> None:
+    prompt = prompt_of(f"purge-{uuid.uuid4().hex}")
+    whole = (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+    complete(mesh, prompt)
+    complete(mesh, prompt, tenant="bob")
+    out = subprocess.run(
+        [sys.executable, "-m", "pdmesh.services.ops.cli", "cache", "purge", "--tenant",
+         "alice", "--nats-url", mesh.nats_url, "--json", "--wait-s", "1.5"],
+        env={**os.environ, "PDMESH_SALT_KEY": keys["PDMESH_SALT_KEY"]},
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    (answer,) = report["workers"].values()
+    assert answer["error"] == "" and answer["removed"]["pool"] >= whole // 16
+    assert answer["removed"]["host"] >= 1 and answer["removed"]["disk"] >= 1
+    assert answer["removed"]["remote"] >= 1
+    assert complete(mesh, prompt)[0] == 0  # gone from the pool and every tier
+    assert complete(mesh, prompt, tenant="bob")[0] == whole  # bob's untouched
 
 
 def test_a_store_paused_or_killed_never_fails_a_request(mesh: Mesh,
