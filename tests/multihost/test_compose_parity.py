@@ -57,12 +57,15 @@ def test_lab_services_get_the_compose_environment(host: str, tmp_path: Path) -> 
         # The role's NATS user, from the env file compose reads (same name as the lab's).
         env_files = [Path(f).name for f in service["env_file"]]
         assert f"nats-{role}.env" in env_files
-        # The role's key, from its key file, and no other role's (compose: env_file).
-        (key_file,) = [f for f in env_files if f in natsauth.KEY_FILES]
-        key_var = natsauth.KEY_FILES[key_file][0]
+        # The role's keys, from their key files, and no other role's (compose: env_file).
+        key_files = [f for f in env_files if f in natsauth.KEY_FILES]
+        assert key_files == [f for f, (_, roles) in natsauth.KEY_FILES.items()
+                             if role in roles], (role, key_files)
+        key_vars = [natsauth.KEY_FILES[f][0] for f in key_files]
         held = [v for v, _ in natsauth.KEY_FILES.values() if v in env]
-        assert held == [key_var], (role, held)
-        assert (tmp_path / key_file).read_text() == f"{key_var}={env[key_var]}\n"
+        assert held == key_vars, (role, held)
+        for key_file, key_var in zip(key_files, key_vars, strict=True):
+            assert (tmp_path / key_file).read_text() == f"{key_var}={env[key_var]}\n"
         assert env["PDMESH_NATS_USER"] == role
         assert env["PDMESH_NATS_TLS_CA"].endswith("/nats-ca.crt")
         assert service["environment"]["PDMESH_NATS_TLS_CA"] == "/run/secrets/nats-ca.crt"

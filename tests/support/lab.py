@@ -173,8 +173,8 @@ class Lab:
         return dict(line.split("=", 1) for line in env if line)
 
     def role_keys(self, role: str) -> dict[str, str]:
-        """The key the role's compose service mounts (`signing.env`, `verify.env` or
-        `salt.env`), and no other role's."""
+        """The keys the role's compose service mounts (`signing.env`, `verify.env`,
+        `salt.env`, prefill's `kvtier.env` too), and no other role's."""
         env: dict[str, str] = {}
         for name, (_, roles) in natsauth.KEY_FILES.items():
             if role in roles:
