@@ -38,10 +38,11 @@ NATS_PORT, NATS_MONITOR_PORT = 4222, 8222
 TENANTS_PATH = "/run/secrets/tenants.toml"
 NATS_CONF_PATH = "/run/secrets/nats.conf"  # authorization block written by `pdmesh secrets`
 SECRETS_DIR = "${PDMESH_SECRETS_DIR:-./secrets}"
-# The key file each role mounts (`pdmesh secrets`): admission alone holds the signing key,
-# the workers its verify key, the gateway the cache-salt key.
-KEY_FILE = {"admission": "signing.env", "prefill": "verify.env", "decode": "verify.env",
-            "colocated": "verify.env", "gateway": "salt.env"}
+# The key files each role mounts (`pdmesh secrets`): admission alone holds the signing key,
+# the workers its verify key, prefill the KV-tier key too, the gateway the cache-salt key.
+KEY_FILES = {"admission": ("signing.env",), "prefill": ("verify.env", "kvtier.env"),
+             "decode": ("verify.env",), "colocated": ("verify.env",),
+             "gateway": ("salt.env",)}
 DRAIN_TIMEOUT_ENV = BY_FIELD["drain_timeout_s"].env
 DRAIN_TIMEOUT_S = float(BY_FIELD["drain_timeout_s"].default)  # the lab sets none: the default
 # SIGTERM starts the drain; SIGKILL only once the drain timeout and the margin have passed.
@@ -113,9 +114,9 @@ def _lab_service(spec: ServiceSpec, specs: list[ServiceSpec]) -> dict[str, Any]:
         "build": {"context": "..", "dockerfile": "compose/Dockerfile"},
         "command": list(spec.argv),
         "environment": env,
-        # This role's key (only its own: KEY_FILE) and its NATS user and password (every
+        # This role's keys (only its own: KEY_FILES) and its NATS user and password (every
         # replica shares them).
-        "env_file": [f"{SECRETS_DIR}/{KEY_FILE[spec.role]}",
+        "env_file": [*(f"{SECRETS_DIR}/{name}" for name in KEY_FILES[spec.role]),
                      f"{SECRETS_DIR}/nats-{spec.role}.env"],
     }
     if spec.role == "gateway":

@@ -193,13 +193,15 @@ def test_nats_runs_with_credentials_from_secrets(path: Path) -> None:
 
 @pytest.mark.parametrize("path", [LAB, *ROLE_FILES], ids=lambda p: str(p.relative_to(REPO)))
 def test_each_service_mounts_only_its_roles_key(path: Path) -> None:
-    """Admission the signing key, prefill and decode its verify key, the gateway the salt
-    key (`pdmesh secrets`' files): no other service holds a key that signs tickets."""
+    """Admission the signing key, prefill and decode its verify key (prefill the KV-tier key
+    too), the gateway the salt key (`pdmesh secrets`' files): no other service holds a key
+    that signs tickets."""
     for name, svc in _pdmesh_services(_load(path)).items():
         role = svc["command"][-1]
         env_files = [Path(f).name for f in svc["env_file"]]
         keys = [f for f in env_files if f in natsauth.KEY_FILES]
-        assert [role in natsauth.KEY_FILES[k][1] for k in keys] == [True], (name, env_files)
+        assert keys == [k for k, (_, roles) in natsauth.KEY_FILES.items() if role in roles], \
+            (name, env_files)
         assert [f for f in env_files if f not in keys and not f.startswith("nats-")] == [], \
             (name, env_files)
         assert not any(k.startswith("PDMESH_") and "KEY" in k for k in svc["environment"]), \
