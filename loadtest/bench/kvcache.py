@@ -5,7 +5,7 @@ turn appends a `--question-tokens` question to the transcript, streams a `--answ
 answer (`/v1/completions`, greedy, `ignore_eos`) and appends those answer tokens (ids drawn
 from the conversation's seed: generated tokens reach the cache only as part of the next
 prompt, so their values do not matter to it). Conversations take turns round robin, the
-pattern plain LRU loses on as soon as the set exceeds the pool.
+pattern plain LRU loses on as soon as the set exceeds the pool (the pool now evicts S3-FIFO).
 
 For each `--ratios` entry r, a fresh mesh (`pdmesh up`, one prefill and one decode worker,
 `--kv-tokens` pool) serves round(r * kv_tokens / doc_tokens) conversations for `--turns`
