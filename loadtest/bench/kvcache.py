@@ -106,19 +106,23 @@ def prefill_metrics(server: Server) -> dict[str, float]:
     return out
 
 
-def server_prefill_port(server: Server) -> int | None:
-    """The prefill worker's HTTP port, from `pdmesh up`'s process table."""
+def _prefill_pid(server: Server) -> int | None:
+    """The prefill worker's process under `pdmesh up` (None: not running)."""
     for pid in _children(server.proc.pid):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"prefill" in cmd and b"serve" in cmd:
-            env = _environ(pid)
-            port = env.get("PDMESH_HTTP_PORT")
-            if port:
-                return int(port)
+            return pid
     return None
+
+
+def server_prefill_port(server: Server) -> int | None:
+    """The prefill worker's HTTP port, from its environment."""
+    pid = _prefill_pid(server)
+    port = _environ(pid).get("PDMESH_HTTP_PORT") if pid is not None else None
+    return int(port) if port else None
 
 
 def _children(pid: int) -> list[int]:
@@ -144,15 +148,10 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def kill_prefill(server: Server) -> bool:
-    for pid in _children(server.proc.pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"prefill" in cmd and b"serve" in cmd:
-            os.kill(pid, signal.SIGKILL)
-            return True
-    return False
+    pid = _prefill_pid(server)
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    return pid is not None
 
 
 @contextlib.contextmanager
