@@ -21,12 +21,16 @@ $(VENV)/.installed-run: $(VENV)/bin/python pyproject.toml
 
 # The UCX and NIXL extras are chosen after torch is in, to match its CUDA stack
 # (pyproject.toml): CUDA 13 builds for a CUDA 13 torch, else the CUDA 12 ones.
-# The KV tiers' store tests start Debian's redis-server (tier 3, docs/KVTIERS.md).
+# The KV tiers' store tests start Debian's redis-server (tier 3, docs/KVTIERS.md); Debian's
+# libibverbs1 is there as on an RDMA host, where NIXL's wheel loads it (transports/nixl.py:
+# NIXL_UCX_MODULES; tests/transports/test_ucx_env.py).
 $(VENV)/.installed-test: $(VENV)/bin/python pyproject.toml
-	@command -v redis-server >/dev/null || { echo "installing redis-server (Debian package)"; \
+	@{ command -v redis-server && ldconfig -p | grep -q 'libibverbs\.so\.1 '; } >/dev/null || \
+	{ echo "installing redis-server and libibverbs1 (Debian packages)"; \
 	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
-	  $$sudo apt-get install -y -qq redis-server >/dev/null 2>&1 || \
-	  { $$sudo apt-get update -qq && $$sudo apt-get install -y -qq redis-server >/dev/null; }; }
+	  $$sudo apt-get install -y -qq redis-server libibverbs1 >/dev/null 2>&1 || \
+	  { $$sudo apt-get update -qq && \
+	    $$sudo apt-get install -y -qq redis-server libibverbs1 >/dev/null; }; }
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q -e ".[$$($(PY) -c 'import torch; print("ucx-cu13,nixl-cu13" if (torch.version.cuda or "").startswith("13") else "ucx,nixl")')]"
 	touch $@ $(VENV)/.installed-run

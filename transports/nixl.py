@@ -134,21 +134,37 @@ _SPIN_S = 0.002  # a sender re-checks a WRITE without sleeping for this long
 _NEVER_FREED: list = []  # staging regions of closed transports that were never released
 
 
+# UCX modules NIXL's UCX does not load unless the operator sets UCX_MODULES: the wheel's
+# EFA transport module (`libuct_ib_efa`) links the system's libibverbs.so.1, which loads the
+# system's libnl-route-3 beside the copy bundled with the wheel; at exit the two copies'
+# destructors unregister each other's entries and the process dies with SIGSEGV
+# (`rtnl_tc_unregister`), on any host with Debian's libibverbs1, RDMA device or not. EFA
+# (AWS) hosts that want it set UCX_MODULES themselves.
+NIXL_UCX_MODULES = "^efa"
+
+
 @contextlib.contextmanager
-def without_ucxx_env():
-    """Hide the UCX settings ucxx's import injected into the environment (when ucxx was
-    loaded in this process, by the ucx transport or by anything else: `ucx.UCXX_ENV`)
-    while NIXL creates its UCX context, so NIXL runs on UCX's own defaults or the
-    operator's settings. Measured: ucxx's UCX_RNDV_THRESH=8192 turns a NIXL WRITE between
-    processes from zero-copy CMA (~10 GB/s) into software emulation over tcp/lo (~1 GB/s)."""
+def nixl_ucx_env():
+    """The environment NIXL's UCX context is created with, restored afterwards.
+
+    Hides the UCX settings ucxx's import injected (when ucxx was loaded in this process,
+    by the ucx transport or by anything else: `ucx.UCXX_ENV`), so NIXL runs on UCX's own
+    defaults or the operator's settings (measured: ucxx's UCX_RNDV_THRESH=8192 turns a NIXL
+    WRITE between processes from zero-copy CMA, ~10 GB/s, into software emulation over
+    tcp/lo, ~1 GB/s), and sets UCX_MODULES to NIXL_UCX_MODULES unless the operator set it."""
     injected: dict[str, str] = {}
     if "ucxx" in sys.modules:  # (else nothing was injected: leave ucxx unloaded)
         from .ucx import UCXX_ENV
         injected = dict(UCXX_ENV)
     hidden = {k: os.environ.pop(k) for k, v in injected.items() if os.environ.get(k) == v}
+    added = "UCX_MODULES" not in os.environ
+    if added:
+        os.environ["UCX_MODULES"] = NIXL_UCX_MODULES
     try:
         yield
     finally:
+        if added:
+            os.environ.pop("UCX_MODULES", None)
         os.environ.update(hidden)
 
 
@@ -241,7 +257,7 @@ class NixlTransport(TcpTransport):
 
     async def start(self) -> str:
         if self._agent is None:
-            with without_ucxx_env():
+            with nixl_ucx_env():
                 self._agent = nixl_agent(self.name, nixl_agent_config(
                     enable_prog_thread=False, backends=["UCX"]))
             if "UCX" not in self._agent.backends:

@@ -168,7 +168,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 # defaults, e.g. UCX_RNDV_THRESH=8192). Every UCX context created later in the process reads
 # them, NIXL's too: measured here, UCX_RNDV_THRESH=8192 turns NIXL's cross-process WRITE
 # from zero-copy CMA (~10 GB/s) into software emulation over tcp/lo (~1 GB/s). The nixl
-# transport hides them while it creates its agent (`without_ucxx_env`). When ucxx was
+# transport hides them while it creates its agent (`nixl.nixl_ucx_env`). When ucxx was
 # imported before this module (by other code of the process), its additions cannot be told
 # from an operator's settings: every key of UCXX_DEFAULTS that holds ucxx's value is taken
 # as ucxx's (measured: otherwise NIXL silently emulated its WRITEs over tcp/lo, a 4 MiB

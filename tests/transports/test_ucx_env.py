@@ -94,3 +94,22 @@ def test_an_operators_ucx_settings_win_when_ucxx_was_loaded_first() -> None:
     assert "UCX_RNDV_THRESH" not in r["injected"]
     if r["nixl"]:
         assert r["at_nixl"]["UCX_RNDV_THRESH"] == "65536"  # never hidden
+
+
+def test_nixls_ucx_skips_the_efa_module_and_the_process_exits_cleanly() -> None:
+    """The wheel's EFA module links the system's libibverbs (and so a second libnl-route):
+    a process that ran NIXL died with SIGSEGV at exit wherever Debian's libibverbs1 is
+    installed (`make test` installs it). `_probe` fails on any non-zero exit."""
+    r = _probe()
+    if not r["nixl"]:
+        pytest.skip("nixl not installed")
+    assert r["at_nixl"]["UCX_MODULES"] == "^efa", r["at_nixl"]
+    assert "UCX_MODULES" not in r["after"]  # set for NIXL's context only
+
+
+def test_an_operators_ucx_modules_win() -> None:
+    r = _probe(UCX_MODULES="^efa,^cma")
+    if not r["nixl"]:
+        pytest.skip("nixl not installed")
+    assert r["at_nixl"]["UCX_MODULES"] == "^efa,^cma"
+    assert r["after"]["UCX_MODULES"] == "^efa,^cma"
