@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from pdmesh.services.engine.grammar import GrammarError, strict_schema
 from pdmesh.services.protocol import messages as m
 
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is certainly a mistake; context checks follow
@@ -447,8 +448,15 @@ def structured_of(body: _Common) -> m.Structured | None:
             if rf.json_schema is None or not isinstance(rf.json_schema.schema, dict):
                 raise ApiError(400, "response_format json_schema needs json_schema.schema, "
                                "a JSON schema object", param="response_format")
-            found.append(("response_format", m.Structured(
-                kind="json", spec=_json_text(rf.json_schema.schema))))
+            schema = rf.json_schema.schema
+            if rf.json_schema.strict:  # OpenAI's strict mode: closed objects, its subset
+                try:
+                    schema = strict_schema(schema)
+                except GrammarError as exc:
+                    raise ApiError(400, f"response_format json_schema: {exc}",
+                                   param="response_format") from None
+            found.append(("response_format", m.Structured(kind="json",
+                                                          spec=_json_text(schema))))
         elif rf.type != "text":
             raise ApiError(400, f"response_format type {rf.type!r} is not one of text, "
                            "json_object, json_schema", param="response_format")

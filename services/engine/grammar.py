@@ -33,6 +33,21 @@ MAX_SPEC_BYTES = 64 * 1024  # a grammar, schema or regex larger than this is ref
 # so that a small model cannot spend its tokens on blanks.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ",
                  "key_separator": ": "}
+# Numbers where the schema is silent: llguidance has no option that bounds a JSON number's
+# digits (a small model can write `3.1111...` until max_tokens), so `bounded_numbers`
+# gives every `number` / `integer` without bounds of its own these (llama.cpp's
+# json-schema-to-grammar caps both sides of the point at 16 digits). Such a number has no
+# exponent (`1e5` is written `100000`).
+NUMBER_INTEGER_DIGITS = 15  # |value| <= 10**15 - 1: DBL_DIG, so a double holds it exactly
+NUMBER_FRACTION_DIGITS = 10  # multipleOf 1e-10: llguidance refuses 1e-11 (binary noise)
+# OpenAI's strict mode: the JSON Schema keywords it documents (structured outputs,
+# "Supported schemas"); any other is a 400 naming it, and every object is closed.
+STRICT_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "enum", "const",
+    "anyOf", "$ref", "$defs", "definitions", "description", "title",
+    "pattern", "format",  # strings
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",  # numbers
+    "minItems", "maxItems"})  # arrays
 
 
 class GrammarError(ValueError):
@@ -59,7 +74,8 @@ def grammar_text(structured: m.Structured) -> str:
             schema = json.loads(spec)
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be an object")
-            return str(llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS))
+            return str(llg.LLMatcher.grammar_from_json_schema(bounded_numbers(schema),
+                                                              defaults=JSON_DEFAULTS))
         if kind == "choice":
             choices = json.loads(spec)
             if (not isinstance(choices, list) or not choices
@@ -70,6 +86,90 @@ def grammar_text(structured: m.Structured) -> str:
         raise
     except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
         raise GrammarError(f"the {kind} spec does not compile: {exc}") from None
+
+
+def strict_schema(schema: Any, where: str = "schema") -> dict[str, Any]:
+    """`schema` as OpenAI's `strict: true` reads it: every object accepts only the properties
+    it declares (`additionalProperties` missing is false, in $defs, items and anyOf too);
+    GrammarError naming the first keyword outside STRICT_KEYWORDS, or an
+    `additionalProperties` that is not false."""
+    if not isinstance(schema, dict):
+        raise GrammarError(f"strict mode needs a schema object at {where}")
+    for key in schema:
+        if key not in STRICT_KEYWORDS:
+            raise GrammarError(f"strict mode does not support the keyword {key!r} (at "
+                               f"{where}); supported: {', '.join(sorted(STRICT_KEYWORDS))}")
+    out = dict(schema)
+    if out.get("additionalProperties", False) is not False:
+        raise GrammarError(f"strict mode needs additionalProperties false (at {where})")
+    types = out.get("type")
+    if "properties" in out or types == "object" or (isinstance(types, list)
+                                                     and "object" in types):
+        out["additionalProperties"] = False
+    for key in ("properties", "$defs", "definitions"):
+        if key in out:
+            if not isinstance(out[key], dict):
+                raise GrammarError(f"{key} must be an object (at {where})")
+            out[key] = {name: strict_schema(sub, f"{where}.{key}.{name}")
+                        for name, sub in out[key].items()}
+    if "items" in out:
+        out["items"] = strict_schema(out["items"], f"{where}.items")
+    if "anyOf" in out:
+        if not isinstance(out["anyOf"], list):
+            raise GrammarError(f"anyOf must be a list (at {where})")
+        out["anyOf"] = [strict_schema(sub, f"{where}.anyOf[{i}]")
+                        for i, sub in enumerate(out["anyOf"])]
+    return out
+
+
+_NUMBER_LIMIT = 10 ** NUMBER_INTEGER_DIGITS - 1
+_BOUNDS = {"minimum": ("minimum", "exclusiveMinimum"),
+           "maximum": ("maximum", "exclusiveMaximum")}
+# Where a subschema sits: one schema, a list of them, or a map of names to them. `not` and
+# `if` are left alone (bounding inside them would widen what the schema allows).
+_SUB_ONE = ("additionalProperties", "items", "additionalItems", "contains", "then", "else",
+            "unevaluatedItems", "unevaluatedProperties")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """`schema` with NUMBER_INTEGER_DIGITS and NUMBER_FRACTION_DIGITS where a `number` or
+    `integer` says nothing of its own (no bound on that side, no multipleOf, no enum or
+    const), so that no number outruns max_tokens; a copy, the request's schema untouched."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUB_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = bounded_numbers(out[key])
+    for key in _SUB_LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_numbers(sub) for sub in out[key]]
+    for key in _SUB_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_numbers(sub) for name, sub in out[key].items()}
+    types = out.get("type")
+    types = set(types) if isinstance(types, list) else {types}
+    if not types & {"number", "integer"} or "enum" in out or "const" in out:
+        return out
+    low, high = _numeric(out, "minimum"), _numeric(out, "maximum")
+    if low is None and (high is None or high > -_NUMBER_LIMIT):
+        out["minimum"] = -_NUMBER_LIMIT
+    if high is None and (low is None or low < _NUMBER_LIMIT):
+        out["maximum"] = _NUMBER_LIMIT
+    if "number" in types and "multipleOf" not in out:
+        out["multipleOf"] = 10.0 ** -NUMBER_FRACTION_DIGITS
+    return out
+
+
+def _numeric(schema: dict[str, Any], side: str) -> float | None:
+    """The schema's own bound on `side` (inclusive or exclusive), None when it has none."""
+    for key in _BOUNDS[side]:
+        value = schema.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 class Grammars:

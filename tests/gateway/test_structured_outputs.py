@@ -65,7 +65,7 @@ def test_json_schema_reply_validates_and_equals_the_oracle(
     prompt = "Describe a pet as JSON:"
     body = _complete(mesh, prompt, 200, temperature=temperature, seed=seed,
                      response_format={"type": "json_schema", "json_schema": {
-                         "name": "pet", "schema": SCHEMA, "strict": True}})
+                         "name": "pet", "schema": SCHEMA}})  # maxLength: not strict
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop", choice  # the grammar ended it, not the limit
     jsonschema.validate(json.loads(choice["text"]), SCHEMA)
@@ -147,6 +147,34 @@ def test_fifty_varied_json_schemas_all_validate(live_mesh: Mesh) -> None:
     for i, text, finish in results:
         assert finish == "stop", (i, text)
         jsonschema.validate(json.loads(text), schemas[i])
+
+
+OPEN_SCHEMA = {"type": "object", "properties": {  # no additionalProperties: JSON Schema's open
+    "name": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["name", "age"]}
+
+
+def test_strict_replies_carry_no_undeclared_key(live_mesh: Mesh) -> None:
+    """OpenAI's strict mode on the mesh: under `strict: true` the object is closed, so no
+    reply carries a key the schema does not declare; without it the same requests do
+    (the random model invents keys), so this test can fail."""
+    declared, extra = set(OPEN_SCHEMA["properties"]), 0
+    for seed in range(6):
+        replies = {}
+        for strict in (True, False):
+            body = _complete(live_mesh, "a person:", 120, temperature=1.0, seed=seed,
+                             response_format={"type": "json_schema", "json_schema": {
+                                 "name": "p", "schema": OPEN_SCHEMA, "strict": strict}})
+            replies[strict] = body["choices"][0]
+        text = replies[True]["text"]
+        assert replies[True]["finish_reason"] == "stop", text
+        assert set(json.loads(text)) <= declared, text
+        jsonschema.validate(json.loads(text), {**OPEN_SCHEMA, "additionalProperties": False})
+        if replies[False]["finish_reason"] == "stop":
+            extra += bool(set(json.loads(replies[False]["text"])) - declared)
+        else:  # an open object may outrun max_tokens with invented keys
+            extra += 1
+    assert extra, "without strict the random model never invented a key: no contrast"
 
 
 @pytest.mark.parametrize("fields,param", [
