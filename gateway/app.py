@@ -34,6 +34,7 @@ from pdmesh.gateway.mesh import (
 )
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.schema import (
+    RETRY_AFTER_S,
     ApiError,
     ChatBody,
     CompletionBody,
@@ -579,7 +580,8 @@ class Gateway:
                            param="messages" if chat else "prompt",
                            type_="invalid_request_error" if status == 400 else
                            "rate_limit_error" if status == 429 else "server_error",
-                           retry_after_s=exc.retry_after_s) from None
+                           retry_after_s=exc.retry_after_s or (
+                               RETRY_AFTER_S if status in (429, 503) else 0.0)) from None
         except MeshTooLarge as exc:
             log.warning("gateway: %s: %s", exc.request_id, exc)
             outcome = m.Outcome(code=m.Code.INVALID, detail=str(exc))
@@ -588,7 +590,7 @@ class Gateway:
         except MeshUnavailable as exc:
             outcome = m.Outcome(code=m.Code.NO_WORKERS, detail=str(exc))
             raise ApiError(503, f"the mesh is not answering: {exc}", type_="server_error",
-                           code="no_workers") from None
+                           code="no_workers", retry_after_s=RETRY_AFTER_S) from None
         finally:
             running = gen is not None and bool(gen.choices) and (
                 gen.choices[0].first_at is not None)

@@ -18,6 +18,10 @@ import msgspec
 from pdmesh.services.engine.grammar import GrammarError, strict_schema
 from pdmesh.services.protocol import messages as m
 
+# The Retry-After of a 503 or 429 whose cause passes on its own and that names no wait of
+# its own: admission not answering (restarting), admission's 503 without an estimate, a
+# tenant's tokenizer queue full. As admission's for a saturated mesh.
+RETRY_AFTER_S = 1.0
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is certainly a mistake; context checks follow
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs (services/engine/sampling.py's too)
 

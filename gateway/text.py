@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pdmesh.gateway.schema import ApiError
+from pdmesh.gateway.schema import RETRY_AFTER_S, ApiError
 from pdmesh.services.engine.tokenizer import HFTokenizer, Tokenizer
 
 T = TypeVar("T")
@@ -82,7 +82,8 @@ class TokenizerPool:
             raise ApiError(429, f"too much tokenization in flight for this API key "
                            f"({load.queued} characters queued, at most {self.budget}); "
                            "retry once your earlier requests have been tokenized",
-                           type_="rate_limit_error", code="tokenizer_busy")
+                           type_="rate_limit_error", code="tokenizer_busy",
+                           retry_after_s=RETRY_AFTER_S)
         load.queued += size
         try:
             await load.threads.acquire()  # guard: tokenizer-tenant-threads
