@@ -40,14 +40,17 @@ JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ",
 # exponent (`1e5` is written `100000`).
 NUMBER_INTEGER_DIGITS = 15  # |value| <= 10**15 - 1: DBL_DIG, so a double holds it exactly
 NUMBER_FRACTION_DIGITS = 10  # multipleOf 1e-10: llguidance refuses 1e-11 (binary noise)
-# OpenAI's strict mode: the JSON Schema keywords it documents (structured outputs,
-# "Supported schemas"); any other is a 400 naming it, and every object is closed.
+# Strict mode: OpenAI's documented keywords (structured outputs, "Supported schemas"), and
+# those the grammar also enforces exactly and that keep a small model's strings finite
+# (minLength, maxLength), and annotations with no meaning for validation. Any other keyword
+# is a 400 naming it, and every object is closed.
 STRICT_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "enum", "const",
     "anyOf", "$ref", "$defs", "definitions", "description", "title",
-    "pattern", "format",  # strings
+    "pattern", "format", "minLength", "maxLength",  # strings
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",  # numbers
-    "minItems", "maxItems"})  # arrays
+    "minItems", "maxItems",  # arrays
+    "$schema", "$comment", "examples", "default"})  # annotations
 
 
 class GrammarError(ValueError):

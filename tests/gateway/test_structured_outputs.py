@@ -65,7 +65,7 @@ def test_json_schema_reply_validates_and_equals_the_oracle(
     prompt = "Describe a pet as JSON:"
     body = _complete(mesh, prompt, 200, temperature=temperature, seed=seed,
                      response_format={"type": "json_schema", "json_schema": {
-                         "name": "pet", "schema": SCHEMA}})  # maxLength: not strict
+                         "name": "pet", "schema": SCHEMA, "strict": True}})
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop", choice  # the grammar ended it, not the limit
     jsonschema.validate(json.loads(choice["text"]), SCHEMA)
