@@ -10,7 +10,9 @@ And in parity with what compose runs: each role's container runs topology's
 `pdmesh serve <role>` with the compose role's PDMESH_* environment (but for the keys listed,
 with the reason, in CHART_ONLY and DIFFERS), SIGKILL comes no sooner than compose's
 stop_grace_period, the probes ask the role's own HTTP port, and every PDMESH_* name the chart
-sets is a row of services/runtime/settings.py.
+sets is a row of services/runtime/settings.py. The KV tiers (docs/KVTIERS.md): the store
+runs as compose's, only prefill pods get its URL and a disk volume of their own, and the
+kvTiers values reach them as the settings parse them.
 """
 
 from __future__ import annotations
@@ -59,15 +61,21 @@ CHART_ONLY: dict[str, tuple[tuple[str, ...] | None, str]] = {
                                      "is computed from the same value"),
     "PDMESH_DATA_PORT": (WORKERS, "a fixed, named containerPort (host networking reserves it on "
                                   "the node); compose lets the worker pick a free one"),
+    "PDMESH_KV_DISK_GIB": (("prefill",), "given explicitly because the disk tier volume's size "
+                                         "is computed from the same value"),
 }
 # Lab only: compose's bridge network resolves the container's hostname to its address, which
 # the worker advertises; the chart gives the pod IP (downward API) outright.
 CHART_ONLY_LAB = {"PDMESH_ADVERTISE_HOST": (WORKERS, "the pod IP (status.podIP)")}
 # Production only: the node-local model cache (compose: the image's own cache, its ENV).
-CHART_ONLY_PRODUCTION = {"PDMESH_CACHE_DIR": (("prefill", "decode", "gateway"),
-                                              "model.cache.mountPath")}
+CHART_ONLY_PRODUCTION = {
+    "PDMESH_CACHE_DIR": (("prefill", "decode", "gateway"), "model.cache.mountPath"),
+    # The multi-host files run no tier 2 or 3; the chart runs them from kvTiers values.
+    "PDMESH_KV_DISK_DIR": (("prefill",), "kvTiers.disk.mountPath"),
+    "PDMESH_KV_REMOTE_URL": (("prefill",), "the chart's store (kvTiers.store)"),
+}
 # Keys both set, to values that depend on where the mesh runs (the lab compose file differs
-# in the NATS URL only; the multi-host files in all of them).
+# in the NATS and store URLs only; the multi-host files in all of them).
 DIFFERS = {
     "PDMESH_NATS_URL": "the NATS StatefulSet's pods by DNS name (compose: the nats service, or "
                        "the host's own node)",
@@ -75,6 +83,8 @@ DIFFERS = {
                         "with host networking (multi-host compose: the host's address)",
     "PDMESH_METRICS_HOST": "the pod's network (multi-host compose: the host's address)",
     "PDMESH_ADVERTISE_HOST": "the pod IP (multi-host compose: the host's address)",
+    "PDMESH_KV_REMOTE_URL": "the chart's store Service, <release>-kvstore (compose: its kvstore "
+                            "service)",
 }
 # What hosts.env gives the multi-host files for a production mesh (compose/README.md: "For
 # UCX across hosts, add PDMESH_TRANSPORT=ucx to hosts.env"); host addresses: placeholders.
@@ -99,6 +109,18 @@ FULL_VALUES: dict[str, Any] = {  # every optional object on
         "httpRoute": {"enabled": True, "parentRefs": [{"name": "edge", "namespace": "gw"}],
                       "hostnames": ["pdmesh.example.com"], "timeouts": {"request": "0s"}}},
     "workers": {"ipcLock": True, "shm": {"enabled": True}},
+    "kvTiers": {
+        "hostTokens": 262144,
+        "disk": {"sizeGiB": 16, "sizeLimit": "20Gi"},
+        "store": {"ttlS": 3600, "timeoutS": 0.25, "podAnnotations": {"team": "llm"},
+                  "persistence": {"enabled": True, "storageClassName": "fast"},
+                  "nodeSelector": {"pool": "cpu"},
+                  "tolerations": [{"key": "pool", "operator": "Exists",
+                                   "effect": "NoSchedule"}],
+                  "affinity": {"nodeAffinity": {
+                      "preferredDuringSchedulingIgnoredDuringExecution": [{
+                          "weight": 1, "preference": {"matchExpressions": [
+                              {"key": "pool", "operator": "In", "values": ["cpu"]}]}}]}}}},
 }
 VALUE_SETS = {"lab": lambda: {}, "production": _production_values,
               "full": lambda: copy.deepcopy(FULL_VALUES)}
@@ -208,7 +230,10 @@ def test_the_kubernetes_versions_are_shipped() -> None:
 def test_values_schema_refuses_unknown_keys_and_bad_values() -> None:
     for bad in ({"prefill": {"replica": 2}}, {"transport": "rdma"},
                 {"drainTimeoutSeconds": 0}, {"decode": {"settings": {"KV_TOKENS": "1"}}},
-                {"tracing": {"otlpTracesEndpoint": "jaeger:4318"}}):
+                {"tracing": {"otlpTracesEndpoint": "jaeger:4318"}},
+                {"kvTiers": {"store": {"externalUrl": "http://redis:6379"}}},
+                {"kvTiers": {"store": {"maxmemory": "2 GB"}}}, {"kvTiers": {"hostTokens": -1}},
+                {"kvTiers": {"disk": {"sizeGiB": 0}}}, {"kvTiers": {"store": {"password": "x"}}}):
         with pytest.raises(helm_python.HelmError):
             render(bad)
     schema = helm_python.Chart.load(str(CHART)).schema
@@ -267,7 +292,8 @@ def test_lab_env_is_the_lab_compose_env(docs: dict[str, list[dict[str, Any]]],
     service = _load(LAB)["services"][role]
     compose_env = {k: _compose_value(v, {}) for k, v in service["environment"].items()}
     _assert_env_parity(role, env_of(container(docs["lab"], role)), compose_env,
-                       {**CHART_ONLY, **CHART_ONLY_LAB}, {"PDMESH_NATS_URL"})
+                       {**CHART_ONLY, **CHART_ONLY_LAB},
+                       {"PDMESH_NATS_URL", "PDMESH_KV_REMOTE_URL"})
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -636,6 +662,228 @@ def test_the_servicemonitor_scrapes_every_roles_metrics(
         pod = deployment(objs, role)["spec"]["template"]
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(
             spec.metrics_port or spec.http_port)
+
+
+# -- KV tiers: the disk volume and the store (docs/KVTIERS.md) --------------------------------
+KV_TIER_ENV = ("PDMESH_KV_HOST_TOKENS", "PDMESH_KV_DISK_DIR", "PDMESH_KV_DISK_GIB",
+               "PDMESH_KV_REMOTE_URL", "PDMESH_KV_REMOTE_TTL_S", "PDMESH_KV_REMOTE_TIMEOUT_S")
+STORE = f"{RELEASE}-kvstore"
+_UNITS = {"": 1, "k": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
+_REDIS_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2,
+                "g": 1000**3, "gb": 1024**3}
+
+
+def _bytes(quantity: str | int, units: dict[str, int] = _UNITS) -> float:
+    """A Kubernetes quantity (or, with _REDIS_UNITS, a Redis memory size) in bytes."""
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(quantity))
+    assert match, quantity
+    number, unit = match.groups()
+    return float(number) * units[unit if units is _UNITS else unit.lower()]
+
+
+def _validate(obj: dict[str, Any]) -> None:
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def _store_objects(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objs if o["metadata"].get("labels", {}).get(
+        "app.kubernetes.io/component") == "kvstore" or o["metadata"]["name"] == STORE]
+
+
+def _args(c: dict[str, Any]) -> dict[str, str]:
+    """redis-server's `--flag value` pairs."""
+    argv = c["command"]
+    assert argv[0] == "redis-server" and len(argv) % 2 == 1
+    return dict(zip(argv[1::2], argv[2::2], strict=True))
+
+
+def _pod_labels(d: dict[str, Any]) -> dict[str, str]:
+    return d["spec"]["template"]["metadata"]["labels"]
+
+
+def _kv_disk(objs: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The prefill container's PDMESH_KV_DISK_DIR and the volume mounted there."""
+    pod = deployment(objs, "prefill")["spec"]["template"]["spec"]
+    directory = env_of(container(objs, "prefill"))["PDMESH_KV_DISK_DIR"]
+    (mount,) = [m for m in container(objs, "prefill")["volumeMounts"]
+                if m["mountPath"] == directory]
+    assert not mount.get("readOnly") and "subPath" not in mount
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return directory, volume
+
+
+@pytest.mark.parametrize("values", ["lab", "production"])
+def test_the_kv_store_is_a_redis_beside_the_prefill_pods(
+        docs: dict[str, list[dict[str, Any]]], values: str) -> None:
+    objs = docs[values]
+    store = find(objs, "Deployment", STORE)
+    svc = find(objs, "Service", STORE)
+    for obj in (store, svc):
+        _validate(obj)
+    spec = store["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    (redis,) = pod["containers"]
+    args = _args(redis)
+    assert args["--maxmemory-policy"] == "allkeys-lru"
+    assert (args["--appendonly"], args["--protected-mode"], args["--port"]) == ("no", "no", "6379")
+    production = values == "production"
+    assert args["--save"] == ("300 1" if production else "")  # snapshots only with a claim
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert "redis-cli -p 6379 ping" in redis[probe]["exec"]["command"][-1], probe
+    assert "PONG" in redis["readinessProbe"]["exec"]["command"][-1]
+    # The official image's user, never root; nothing written outside /data.
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["fsGroup"] == 999
+    assert redis["securityContext"]["readOnlyRootFilesystem"] is True
+    assert redis["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert args["--dir"] == "/data"
+    (data,) = [v for v in pod["volumes"]
+               if v["name"] == next(m["name"] for m in redis["volumeMounts"]
+                                    if m["mountPath"] == "/data")]
+    if production:
+        claim = find(objs, "PersistentVolumeClaim", data["persistentVolumeClaim"]["claimName"])
+        _validate(claim)
+        assert _bytes(claim["spec"]["resources"]["requests"]["storage"]) >= 2 * _bytes(
+            args["--maxmemory"], _REDIS_UNITS)  # a snapshot and the next one
+    else:
+        assert data == {"name": "data", "emptyDir": {}}
+    # Memory: the limit leaves room above maxmemory (buffers, fragmentation, copy-on-write).
+    maxmemory = _bytes(args["--maxmemory"], _REDIS_UNITS)
+    resources = redis["resources"]
+    assert _bytes(resources["requests"]["memory"]) >= maxmemory
+    assert _bytes(resources["limits"]["memory"]) >= 1.25 * maxmemory
+    # The Service reaches the pod's port, and prefill's URL names the Service.
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["selector"].items() <= _pod_labels(store).items()
+    (port,) = svc["spec"]["ports"]
+    assert port["port"] == 6379 and port_number(redis, port["targetPort"]) == 6379
+    url = env_of(container(objs, "prefill"))["PDMESH_KV_REMOTE_URL"]
+    assert url == f"redis://{STORE}:{port['port']}/0"
+    assert BY_ENV["PDMESH_KV_REMOTE_URL"].check(url) is None
+
+
+def test_the_kv_store_runs_as_composes(docs: dict[str, list[dict[str, Any]]]) -> None:
+    service = _load(LAB)["services"]["kvstore"]
+    (redis,) = find(docs["lab"], "Deployment", STORE)["spec"]["template"]["spec"]["containers"]
+    assert redis["image"] == _compose_value(service["image"], {})  # redis:7.4-bookworm
+    compose_args = _args({"command": [_compose_value(a, {}) for a in service["command"]]})
+    chart_args = _args(redis)
+    for flag in ("--maxmemory", "--maxmemory-policy", "--protected-mode", "--appendonly"):
+        assert chart_args[flag] == compose_args[flag], flag
+    assert service["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+
+
+@pytest.mark.parametrize("values", ["lab", "production", "full"])
+def test_prefill_keeps_the_disk_tier_on_its_own_volume(
+        docs: dict[str, list[dict[str, Any]]], values: str) -> None:
+    objs = docs[values]
+    env = env_of(container(objs, "prefill"))
+    directory, volume = _kv_disk(objs)
+    assert directory == "/var/lib/pdmesh/kv"
+    size_gib = float(env["PDMESH_KV_DISK_GIB"])
+    assert BY_ENV["PDMESH_KV_DISK_GIB"].check(size_gib) is None
+    if values == "production":  # a per-pod claim, deleted with the pod
+        assert "emptyDir" not in volume
+        claim = volume["ephemeral"]["volumeClaimTemplate"]["spec"]
+        size = claim["resources"]["requests"]["storage"]
+        assert claim["accessModes"] == ["ReadWriteOnce"]
+    else:
+        size = volume["emptyDir"]["sizeLimit"]
+    # Room for what the tier keeps, and a little more (temporary files, file-system blocks):
+    # the kubelet evicts a pod whose emptyDir outgrows its limit.
+    assert 1.05 * size_gib * 2**30 <= _bytes(size) <= 1.5 * size_gib * 2**30, size
+
+
+@pytest.mark.parametrize("values", sorted(VALUE_SETS))
+def test_only_prefill_pods_get_the_kv_tiers(docs: dict[str, list[dict[str, Any]]],
+                                            values: str) -> None:
+    objs = docs[values]
+    prefill = container(objs, "prefill")
+    assert {"PDMESH_KV_DISK_DIR", "PDMESH_KV_REMOTE_URL"} <= set(env_of(prefill))
+    for where, c in all_containers(objs):
+        if c is prefill:
+            continue
+        names = [e["name"] for e in c.get("env", [])]
+        assert not [n for n in names if n.startswith(("PDMESH_KV_REMOTE", "PDMESH_KV_DISK"))
+                    or n == "PDMESH_KV_HOST_TOKENS"], where
+    for role in ("admission", "decode", "gateway"):
+        pod = deployment(objs, role)["spec"]["template"]["spec"]
+        assert "kv-disk" not in [v["name"] for v in pod.get("volumes", [])], role
+
+
+def test_the_kv_values_become_prefills_settings() -> None:
+    objs = objects(render({"kvTiers": {"hostTokens": 1048576, "disk": {"sizeGiB": 7.5},
+                                       "store": {"ttlS": 1000000, "timeoutS": 0.25}}}))
+    env = env_of(container(objs, "prefill"))
+    assert {k: env[k] for k in KV_TIER_ENV} == {
+        "PDMESH_KV_HOST_TOKENS": "1048576", "PDMESH_KV_DISK_DIR": "/var/lib/pdmesh/kv",
+        "PDMESH_KV_DISK_GIB": "7.5", "PDMESH_KV_REMOTE_URL": f"redis://{STORE}:6379/0",
+        "PDMESH_KV_REMOTE_TTL_S": "1000000", "PDMESH_KV_REMOTE_TIMEOUT_S": "0.25"}
+    for key in KV_TIER_ENV:  # each as the setting parses and checks it
+        setting = BY_ENV[key]
+        assert setting.check is None or setting.check(setting.kind(env[key])) is None, key
+    # Unset: the program's defaults (docs/KVTIERS.md), not the chart's copy of them.
+    lab = env_of(container(objects(render()), "prefill"))
+    assert not {"PDMESH_KV_HOST_TOKENS", "PDMESH_KV_REMOTE_TTL_S",
+                "PDMESH_KV_REMOTE_TIMEOUT_S"} & set(lab)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_an_external_store_replaces_the_charts(enabled: bool) -> None:
+    url = "rediss://:s3cret@redis.example.internal:6380/2"
+    objs = objects(render({"kvTiers": {"store": {"enabled": enabled, "externalUrl": url,
+                                                 "ttlS": 3600}}}))
+    assert _store_objects(objs) == []
+    env = env_of(container(objs, "prefill"))
+    assert env["PDMESH_KV_REMOTE_URL"] == url
+    assert env["PDMESH_KV_REMOTE_TTL_S"] == "3600"
+    assert BY_ENV["PDMESH_KV_REMOTE_URL"].check(url) is None
+    for obj in objs:
+        if obj["kind"] not in CRD_KINDS:
+            _validate(obj)
+
+
+def test_without_a_store_prefill_has_no_remote_tier() -> None:
+    rendered = render({"kvTiers": {"store": {"enabled": False, "ttlS": 3600, "timeoutS": 1}}})
+    objs = objects(rendered)
+    assert _store_objects(objs) == []
+    env = env_of(container(objs, "prefill"))
+    assert not [k for k in env if k.startswith("PDMESH_KV_REMOTE")]
+    assert "PDMESH_KV_DISK_DIR" in env  # the disk tier is still there
+    objs = objects(render({"kvTiers": {"disk": {"enabled": False}}}))
+    env = env_of(container(objs, "prefill"))
+    assert not [k for k in env if k.startswith("PDMESH_KV_DISK")]
+    pod = deployment(objs, "prefill")["spec"]["template"]["spec"]
+    assert "kv-disk" not in [v["name"] for v in pod.get("volumes", [])]
+    assert "PDMESH_KV_REMOTE_URL" in env
+
+
+def test_existing_claims_for_the_disk_and_the_store() -> None:
+    objs = objects(render({"kvTiers": {"disk": {"existingClaim": "kv-disk-0"},
+                                       "store": {"persistence": {"enabled": True,
+                                                                 "existingClaim": "kvstore"}}}}))
+    _directory, volume = _kv_disk(objs)
+    assert volume["persistentVolumeClaim"] == {"claimName": "kv-disk-0"}
+    pod = find(objs, "Deployment", STORE)["spec"]["template"]["spec"]
+    (data,) = pod["volumes"]
+    assert data["persistentVolumeClaim"] == {"claimName": "kvstore"}
+    assert [o for o in objs if o["kind"] == "PersistentVolumeClaim"] == []  # the chart makes none
+    for obj in (deployment(objs, "prefill"), find(objs, "Deployment", STORE)):
+        _validate(obj)
+    # One claim cannot be the directory of several workers: each tier's index is its own.
+    for values in ({"prefill": {"replicas": 2}}, {"autoscaling": {"keda": {"enabled": True}}}):
+        with pytest.raises(helm_python.HelmError, match="existingClaim"):
+            render({**values, "kvTiers": {"disk": {"existingClaim": "kv-disk-0"}}})
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_kv_tier_settings_come_only_from_kvtiers(role: str) -> None:
+    for key in KV_TIER_ENV:
+        with pytest.raises(helm_python.HelmError, match="kvTiers"):
+            render({role: {"settings": {key: "1"}}})
 
 
 # -- the docs ----------------------------------------------------------------------------------

@@ -119,6 +119,48 @@ nats-cluster.conf name and what the server certificate covers (`pdmesh secrets -
 {{- end }}
 {{- end }}
 
+{{/* A number as a setting: whole numbers without a fraction or an exponent (a value of
+1048576 is 1048576, never 1.048576e+06, which an int setting refuses). */}}
+{{- define "pdmesh.number" -}}
+{{- $f := float64 . }}
+{{- if eq $f (floor $f) }}{{ int64 $f }}{{ else }}{{ $f }}{{ end }}
+{{- end }}
+
+{{/* The KV tiers' settings: set from kvTiers (prefill pods only), never from settings. */}}
+{{- define "pdmesh.kvTiers.envNames" -}}
+PDMESH_KV_HOST_TOKENS PDMESH_KV_DISK_DIR PDMESH_KV_DISK_GIB PDMESH_KV_REMOTE_URL PDMESH_KV_REMOTE_TTL_S PDMESH_KV_REMOTE_TIMEOUT_S
+{{- end }}
+
+{{/* The KV store: Deployment, Service and PVC name. */}}
+{{- define "pdmesh.kvStore.name" -}}
+{{- printf "%s-kvstore" (include "pdmesh.fullname" .) }}
+{{- end }}
+
+{{/* Whether the chart runs the store ("true" or ""): enabled, and no externalUrl. */}}
+{{- define "pdmesh.kvStore.deployed" -}}
+{{- $s := .Values.kvTiers.store }}
+{{- if and $s.enabled (not $s.externalUrl) }}true{{ end }}
+{{- end }}
+
+{{/* PDMESH_KV_REMOTE_URL: the externalUrl, else the chart's store, else nothing. */}}
+{{- define "pdmesh.kvStore.url" -}}
+{{- if .Values.kvTiers.store.externalUrl }}
+{{- .Values.kvTiers.store.externalUrl }}
+{{- else if include "pdmesh.kvStore.deployed" . }}
+{{- printf "redis://%s:6379/0" (include "pdmesh.kvStore.name" .) }}
+{{- end }}
+{{- end }}
+
+{{/* The disk tier's volume size: kvTiers.disk.sizeLimit, else sizeGiB + 10 % in MiB. */}}
+{{- define "pdmesh.kvDisk.size" -}}
+{{- $d := .Values.kvTiers.disk }}
+{{- if $d.sizeLimit }}
+{{- $d.sizeLimit }}
+{{- else }}
+{{- printf "%dMi" (ceil (mulf $d.sizeGiB 1024 1.1) | int64) }}
+{{- end }}
+{{- end }}
+
 {{/* Whether KEDA scales this role ("true" or ""): (dict "root" $ "role" "decode") */}}
 {{- define "pdmesh.kedaScales" -}}
 {{- $k := .root.Values.autoscaling.keda }}
@@ -166,6 +208,25 @@ settings as the role's compose service; tests/compose/test_helm_chart.py compare
 {{- if and $root.Values.model.cache.enabled (ne $role "admission") }}
 {{- $env = append $env (dict "name" "PDMESH_CACHE_DIR" "value" $root.Values.model.cache.mountPath) }}
 {{- end }}
+{{- if eq $role "prefill" }}
+{{- $kv := $root.Values.kvTiers }}
+{{- if not (kindIs "invalid" $kv.hostTokens) }}
+{{- $env = append $env (dict "name" "PDMESH_KV_HOST_TOKENS" "value" (include "pdmesh.number" $kv.hostTokens)) }}
+{{- end }}
+{{- if $kv.disk.enabled }}
+{{- $env = append $env (dict "name" "PDMESH_KV_DISK_DIR" "value" $kv.disk.mountPath) }}
+{{- $env = append $env (dict "name" "PDMESH_KV_DISK_GIB" "value" (include "pdmesh.number" $kv.disk.sizeGiB)) }}
+{{- end }}
+{{- with include "pdmesh.kvStore.url" $root }}
+{{- $env = append $env (dict "name" "PDMESH_KV_REMOTE_URL" "value" .) }}
+{{- if not (kindIs "invalid" $kv.store.ttlS) }}
+{{- $env = append $env (dict "name" "PDMESH_KV_REMOTE_TTL_S" "value" (include "pdmesh.number" $kv.store.ttlS)) }}
+{{- end }}
+{{- if not (kindIs "invalid" $kv.store.timeoutS) }}
+{{- $env = append $env (dict "name" "PDMESH_KV_REMOTE_TIMEOUT_S" "value" (include "pdmesh.number" $kv.store.timeoutS)) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- with include "pdmesh.otlpEndpoint" $root }}
 {{- $env = append $env (dict "name" "PDMESH_OTLP_TRACES_ENDPOINT" "value" .) }}
 {{- end }}
@@ -180,6 +241,9 @@ settings as the role's compose service; tests/compose/test_helm_chart.py compare
 {{- range $k, $v := $values.settings }}
 {{- if not (hasPrefix "PDMESH_" $k) }}
 {{- fail (printf "%s.settings.%s: settings are PDMESH_* variables (others: %s.extraEnv)" $role $k $role) }}
+{{- end }}
+{{- if has $k (splitList " " (include "pdmesh.kvTiers.envNames" $root)) }}
+{{- fail (printf "%s.settings.%s: the KV tiers are kvTiers values (prefill pods only)" $role $k) }}
 {{- end }}
 {{- if has $k $managed }}
 {{- fail (printf "%s.settings.%s: the chart sets it (from its own values)" $role $k) }}

@@ -14,6 +14,10 @@ its PodDisruptionBudget. Called as (dict "root" $ "role" "decode").
 {{- $cache := and $root.Values.model.cache.enabled (ne $role "admission") }}
 {{- $fetch := and $cache (or $root.Values.model.fetch.command (eq (toString $root.Values.model.name) "smollm2")) }}
 {{- $tlsSecret := $root.Values.nats.tls.secretName | default $root.Values.secrets.files }}
+{{- $kvDisk := and (eq $role "prefill") $root.Values.kvTiers.disk.enabled }}
+{{- if and $kvDisk $root.Values.kvTiers.disk.existingClaim (or (gt (int $v.replicas) 1) (include "pdmesh.kedaScales" .)) }}
+{{- fail "kvTiers.disk.existingClaim: one claim for every prefill pod, but each worker's disk tier must be a directory of its own: with more than one prefill replica use the emptyDir or kvTiers.disk.ephemeral" }}
+{{- end }}
 {{- $ctx := dict "root" $root "component" $role }}
 apiVersion: apps/v1
 kind: Deployment
@@ -184,7 +188,7 @@ spec:
             {{- $_ := set $sc "capabilities" $caps }}
             {{- end }}
             {{- toYaml $sc | nindent 12 }}
-          {{- if or (eq $role "gateway") $tls $cache (and $worker $root.Values.workers.shm.enabled) }}
+          {{- if or (eq $role "gateway") $tls $cache (and $worker $root.Values.workers.shm.enabled) $kvDisk }}
           volumeMounts:
             {{- if or (eq $role "gateway") $tls }}
             - name: secrets
@@ -200,8 +204,12 @@ spec:
             - name: shm
               mountPath: /dev/shm
             {{- end }}
+            {{- if $kvDisk }}
+            - name: kv-disk
+              mountPath: {{ $root.Values.kvTiers.disk.mountPath }}
+            {{- end }}
           {{- end }}
-      {{- if or (eq $role "gateway") $tls $cache (and $worker $root.Values.workers.shm.enabled) }}
+      {{- if or (eq $role "gateway") $tls $cache (and $worker $root.Values.workers.shm.enabled) $kvDisk }}
       volumes:
         {{- if or (eq $role "gateway") $tls }}
         # Only this role's files (tenants.toml: the gateway; the NATS CA with TLS), where
@@ -239,6 +247,32 @@ spec:
           emptyDir:
             medium: Memory
             sizeLimit: {{ $root.Values.workers.shm.sizeLimit }}
+        {{- end }}
+        {{- if $kvDisk }}
+        {{- $disk := $root.Values.kvTiers.disk }}
+        # KV tier 2 (PDMESH_KV_DISK_DIR): this worker's own, written as the pod's group (fsGroup).
+        - name: kv-disk
+          {{- if $disk.existingClaim }}
+          persistentVolumeClaim:
+            claimName: {{ $disk.existingClaim }}
+          {{- else if $disk.ephemeral.enabled }}
+          ephemeral:
+            volumeClaimTemplate:
+              metadata:
+                labels:
+                  {{- include "pdmesh.labels" $ctx | nindent 18 }}
+              spec:
+                accessModes: [ReadWriteOnce]
+                {{- with $disk.ephemeral.storageClassName }}
+                storageClassName: {{ . }}
+                {{- end }}
+                resources:
+                  requests:
+                    storage: {{ include "pdmesh.kvDisk.size" $root }}
+          {{- else }}
+          emptyDir:
+            sizeLimit: {{ include "pdmesh.kvDisk.size" $root }}
+          {{- end }}
         {{- end }}
       {{- end }}
       {{- with $v.nodeSelector }}
