@@ -30,13 +30,19 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${PDMESH_COMPOSE_CACHE:-/var/cache/pdmesh-compose}
 python=${PDMESH_PYTHON:-$repo/.venv/bin/python}
 healthy_timeout_s=${PDMESH_COMPOSE_TIMEOUT_S:-300}
-base_image=pdmesh-base:bookworm
+# The base's Debian packages (redis-server: the CI stack's KV store, docker-compose.ci.yml);
+# the base image and its cached tarball are named by this list.
+base_packages=python3,python3-venv,ca-certificates,redis-server
+base_tag=bookworm-$(echo "$base_packages" | md5sum | cut -c1-8)
+base_image=pdmesh-base:$base_tag
 image=pdmesh:ci
 # The gateway's published port, inside dockerd's network namespace.
 gateway_url=http://127.0.0.1:18000
 netns=pdmesh-compose-$$
 api_key=ci-key
 docker=/usr/bin/docker          # Debian's CLI, matched to its dockerd (not another on PATH)
+kvstore=kvstore                 # compose/generate.py: KVSTORE, KV_DISK_DIR
+kv_disk_dir=/var/lib/pdmesh/kv
 
 mkdir -p "$cache"
 work=$(mktemp -d /tmp/pdmesh-compose.XXXXXX)
@@ -140,21 +146,21 @@ $docker info >/dev/null 2>&1 || { tail -20 "$work/dockerd.log" >&2; fail "docker
 
 step "base image"
 if ! $docker image inspect "$base_image" >/dev/null 2>&1; then
-  if [[ ! -s $cache/base-bookworm.tar ]]; then
+  base_tar=$cache/base-$base_tag.tar
+  if [[ ! -s $base_tar ]]; then
     # The host's own Debian mirror (no registry hosts spelled out here).
     mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
     [[ -n $mirror ]] || mirror=$(awk '/^deb / {print $2; exit}' /etc/apt/sources.list)
     rootfs=$work/rootfs
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    debootstrap --variant=minbase --include="$base_packages" \
       bookworm "$rootfs" "$mirror" > "$work/debootstrap.log" 2>&1 \
       || { tail -20 "$work/debootstrap.log" >&2; fail "debootstrap"; }
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
       "$rootfs"/usr/share/doc "$rootfs"/usr/share/man "$rootfs"/usr/share/locale
-    tar -C "$rootfs" -cf "$cache/base-bookworm.tar.part" . && \
-      mv "$cache/base-bookworm.tar.part" "$cache/base-bookworm.tar"
+    tar -C "$rootfs" -cf "$base_tar.part" . && mv "$base_tar.part" "$base_tar"
     rm -rf "$rootfs"
   fi
-  $docker import "$cache/base-bookworm.tar" "$base_image" >/dev/null
+  $docker import "$base_tar" "$base_image" >/dev/null
 fi
 
 step "wheels"
@@ -162,7 +168,10 @@ step "wheels"
 "$python" - "$repo/pyproject.toml" > "$work/requirements.txt" <<'EOF'
 import sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(project["dependencies"] + project["optional-dependencies"]["ucx"] + ["setuptools"]))
+# async-timeout: redis-py needs it on the image's Python (Debian's 3.11.2, before 3.11.3),
+# which the host's newer Python does not ask for when it resolves.
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["ucx"]
+                + ["setuptools", "async-timeout>=4.0.3"]))
 EOF
 wheels=$cache/wheels
 if ! cmp -s "$work/requirements.txt" "$wheels/requirements.txt"; then
@@ -273,6 +282,39 @@ code=$(innet curl -sS -o "$work/big.json" -w '%{http_code}' -H "Authorization: B
 echo "[compose-ci] over capacity: HTTP $code $(head -c 400 "$work/big.json")"
 [[ $code == 400 ]] || fail "over-capacity request returned $code, want 400"
 grep -q context_length_exceeded "$work/big.json" || fail "400 without context_length_exceeded"
+
+step "kv tiers"
+# A prompt of whole KV blocks (512 tokens each) twice: the second is served from cache, and
+# the first one's blocks were written through to prefill's disk volume (tier 2) and to the
+# kvstore service (tier 3), as sealed entries under opaque names.
+long_prompt=$("$python" -c 'print(" ".join(f"item {i} of the inventory list;" for i in range(200)))')
+for turn in 1 2; do
+  code=$(innet curl -sS -o "$work/kv$turn.json" -w '%{http_code}' \
+    -H "Authorization: Bearer $api_key" -H 'Content-Type: application/json' \
+    "$gateway_url/v1/completions" \
+    -d "{\"model\":\"$model\",\"prompt\":\"$long_prompt\",\"max_tokens\":2,\"temperature\":0}")
+  [[ $code == 200 ]] || fail "long prompt $turn returned $code: $(head -c 400 "$work/kv$turn.json")"
+done
+"$python" - "$work/kv1.json" "$work/kv2.json" <<'EOF' || fail "long prompt usage"
+import json, sys
+first, second = (json.load(open(p))["usage"] for p in sys.argv[1:])
+cached = (second.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+print(f"[compose-ci] long prompt: {second['prompt_tokens']} tokens, {cached} cached on turn 2")
+assert second["prompt_tokens"] >= 1024 and cached >= 512, (first, second)
+EOF
+entries=0 disk=0
+for _ in $(seq 20); do  # the writer thread puts tiers 2 and 3 shortly after the reply
+  entries=$(stack exec -T "$kvstore" redis-cli --raw dbsize | tr -d '\r')
+  disk=$(stack exec -T prefill sh -c "find $kv_disk_dir -type f | wc -l" | tr -d '\r')
+  [[ $entries -ge 1 && $disk -ge 1 ]] && break
+  sleep 0.5
+done
+echo "[compose-ci] kv tiers: $entries entries in $kvstore, $disk files on prefill's volume"
+[[ $entries -ge 1 ]] || fail "nothing reached the kvstore service"
+[[ $disk -ge 1 ]] || fail "nothing reached prefill's disk tier"
+keys=$(stack exec -T "$kvstore" redis-cli --scan --pattern '*' | tr -d '\r')
+grep -qv '^pdmesh:kv:' <<< "$keys" && fail "the kvstore holds keys outside pdmesh:kv:"
+grep -q 'inventory' <<< "$keys" && fail "a kvstore key shows prompt text"
 
 step "nats auth"
 # The stack's NATS refuses a client without credentials and admits the gateway's user (so

@@ -51,6 +51,18 @@ STOP_GRACE_PERIOD = f"{DRAIN_TIMEOUT_S + STOP_MARGIN_S:g}s"
 # so its own default worker id), restarted one at a time under load; a drain timeout short
 # enough that the longer streams outlive it and are handed on to the other replica.
 CI_DECODE_REPLICAS = 2
+# The KV tiers (docs/KVTIERS.md): prefill keeps tier 2 on a volume of its own per container
+# (an anonymous volume: kept across restarts and recreation, never shared between replicas)
+# and tier 3 in the `kvstore` service, a Redis holding only sealed entries under HMAC names.
+# Its RDB snapshot on the volume keeps the store warm across its own restart (entries are
+# encrypted at rest). CI runs Debian's redis-server from the project image (no registry).
+KVSTORE = "kvstore"
+KVSTORE_PORT = 6379
+KV_DISK_DIR = "/var/lib/pdmesh/kv"  # the image creates it owned by the pdmesh user
+KVSTORE_IMAGE = "${PDMESH_KVSTORE_IMAGE:-redis:7.4-bookworm}"
+KVSTORE_MAXMEMORY = "${PDMESH_KVSTORE_MAXMEMORY:-1gb}"
+KVSTORE_ARGS = ["--maxmemory", KVSTORE_MAXMEMORY, "--maxmemory-policy", "allkeys-lru",
+                "--protected-mode", "no", "--appendonly", "no"]
 CI_DECODE_DRAIN_TIMEOUT_S = 3
 
 HEADER = """\
@@ -103,6 +115,9 @@ def _lab_service(spec: ServiceSpec, specs: list[ServiceSpec]) -> dict[str, Any]:
     }
     if spec.role in ("prefill", "decode"):
         env["PDMESH_DATA_HOST"] = "0.0.0.0"
+    if spec.role == "prefill":
+        env["PDMESH_KV_DISK_DIR"] = KV_DISK_DIR
+        env["PDMESH_KV_REMOTE_URL"] = f"redis://{KVSTORE}:{KVSTORE_PORT}/0"
     if spec.role == "gateway":
         env["PDMESH_TENANTS_FILE"] = TENANTS_PATH
         # Metrics (per tenant) on a port of their own, reachable inside the stack's network
@@ -119,6 +134,8 @@ def _lab_service(spec: ServiceSpec, specs: list[ServiceSpec]) -> dict[str, Any]:
         "env_file": [*(f"{SECRETS_DIR}/{name}" for name in KEY_FILES[spec.role]),
                      f"{SECRETS_DIR}/nats-{spec.role}.env"],
     }
+    if spec.role == "prefill":
+        service["volumes"] = [KV_DISK_DIR]
     if spec.role == "gateway":
         service["secrets"] = [{"source": "tenants", "target": "tenants.toml"}]
         service["ports"] = [f"${{PDMESH_GATEWAY_PUBLISH:-8000}}:{spec.http_port}"]
@@ -149,12 +166,21 @@ def lab() -> dict[str, Any]:
             "restart": "unless-stopped",
         },
     }
+    services[KVSTORE] = {
+        "image": KVSTORE_IMAGE,
+        "command": ["redis-server", *KVSTORE_ARGS, "--save", "300 1", "--dir", "/data"],
+        "volumes": ["kvstore-data:/data"],
+        "healthcheck": {"test": ["CMD", "redis-cli", "ping"], "interval": "5s",
+                        "timeout": "3s", "retries": 3, "start_period": "10s"},
+        "restart": "unless-stopped",
+    }
     for spec in specs:
         services[spec.name] = _lab_service(spec, specs)
     services.update(_observability(specs))
     return {
         "services": services,
-        "volumes": {"nats-data": {}, "prometheus-data": {}, "grafana-data": {}},
+        "volumes": {"nats-data": {}, "kvstore-data": {}, "prometheus-data": {},
+                    "grafana-data": {}},
         "secrets": {"tenants": {"file": f"{SECRETS_DIR}/tenants.toml"},
                     "nats_conf": {"file": f"{SECRETS_DIR}/nats.conf"}},
     }
@@ -203,6 +229,15 @@ def ci() -> dict[str, Any]:
                 "interval": "1s", "timeout": "3s", "retries": 3, "start_period": "20s"},
             "restart": "no",
         },
+    }
+    services[KVSTORE] = {
+        # The project image's redis-server (its base carries Debian's), as its pdmesh user:
+        # no snapshot, so nothing is written to the lab's /data volume.
+        "image": IMAGE,
+        "command": ["redis-server", *KVSTORE_ARGS, "--save", "", "--dir", "/tmp"],
+        "healthcheck": {"test": ["CMD", "redis-cli", "ping"], "interval": "1s",
+                        "timeout": "3s", "retries": 3, "start_period": "20s"},
+        "restart": "no",
     }
     for spec in ci_specs():
         service: dict[str, Any] = {
