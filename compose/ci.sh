@@ -144,6 +144,10 @@ for _ in $(seq 120); do
 done
 $docker info >/dev/null 2>&1 || { tail -20 "$work/dockerd.log" >&2; fail "dockerd not ready"; }
 
+# The data root is kept between runs (one at a time: the lock above); a run killed midway
+# may have left containers there, which the final check would take for this run's.
+$docker container prune -f >/dev/null
+
 step "base image"
 if ! $docker image inspect "$base_image" >/dev/null 2>&1; then
   base_tar=$cache/base-$base_tag.tar
@@ -194,7 +198,7 @@ mkdir -p "$ctx"
   tar --null --ignore-failed-read -T - -cf - 2>/dev/null) | tar -C "$ctx" -xf -
 mkdir -p "$ctx/compose/wheels"
 ln "$wheels"/*.whl "$ctx/compose/wheels/" 2>/dev/null || cp "$wheels"/*.whl "$ctx/compose/wheels/"
-$docker build -q -f "$ctx/compose/Dockerfile" -t "$image" \
+$docker build -q --force-rm -f "$ctx/compose/Dockerfile" -t "$image" \
   --build-arg BASE="$base_image" --build-arg PIP_NO_INDEX=1 "$ctx" > "$work/build.log" 2>&1 \
   || { tail -40 "$work/build.log" >&2; fail "image build"; }
 rm -rf "$ctx"
