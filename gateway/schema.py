@@ -197,6 +197,7 @@ _tokenize_decoder = msgspec.json.Decoder(TokenizeBody)
 _detokenize_decoder = msgspec.json.Decoder(DetokenizeBody)
 
 
+TOO_DEEP = "request body nests arrays or objects too deeply"
 MAX_IGNORED_FIELDS = 64  # unknown fields one lenient parse drops before it gives up
 _UNKNOWN = re.compile(r"^Object contains unknown field `([^`]*)`(?: - at `\$(.*)`)?$")
 
@@ -222,6 +223,8 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes, lenient: list[str] | None
         raise ApiError(400, f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, TOO_DEEP) from None
 
 
 def _decode_lenient(typ: Any, raw: bytes, ignored: list[str]) -> Any:
@@ -231,6 +234,8 @@ def _decode_lenient(typ: Any, raw: bytes, ignored: list[str]) -> Any:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, TOO_DEEP) from None
     for _ in range(MAX_IGNORED_FIELDS):
         try:
             return msgspec.convert(obj, typ)
@@ -458,6 +463,9 @@ def structured_of(body: _Common) -> m.Structured | None:
                     schema = strict_schema(schema)
                 except GrammarError as exc:
                     raise ApiError(400, f"response_format json_schema: {exc}",
+                                   param="response_format") from None
+                except RecursionError:
+                    raise ApiError(400, "response_format json_schema nests too deeply",
                                    param="response_format") from None
             found.append(("response_format", m.Structured(kind="json",
                                                           spec=_json_text(schema))))

@@ -89,6 +89,8 @@ def grammar_text(structured: m.Structured) -> str:
         raise
     except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
         raise GrammarError(f"the {kind} spec does not compile: {exc}") from None
+    except RecursionError:
+        raise GrammarError(f"the {kind} spec nests too deeply") from None
 
 
 def strict_schema(schema: Any, where: str = "schema") -> dict[str, Any]:

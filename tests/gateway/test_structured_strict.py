@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
+
 from pdmesh.services.protocol import messages as m
 from tests.support.meshproc import NatsServer
 from tests.support.scripted_mesh import ScriptedMesh, gateways
@@ -82,3 +84,32 @@ async def test_strict_refuses_a_keyword_outside_its_subset(nats_server: NatsServ
                                           "response_format": _format(False, schema)})
         assert status == 200, reply
         assert len(gw.mesh.submits) == 1, "a refused request never reaches the mesh"
+
+
+
+def _nested_body(depth: int, strict: bool) -> bytes:
+    """A completion request whose schema nests `depth` objects, written as text (the
+    client's own JSON encoder has a depth limit of its own)."""
+    schema = '{"type": "object", "properties": {"a": ' * depth + "{}" + "}}" * depth
+    return ('{"model": "tiny", "prompt": "city", "max_tokens": 1, "response_format": '
+            '{"type": "json_schema", "json_schema": {"name": "deep", "strict": %s, '
+            '"schema": %s}}}' % ("true" if strict else "false", schema)).encode()
+
+
+async def test_a_body_nested_too_deeply_is_a_400_not_a_crash(nats_server: NatsServer) -> None:
+    """The JSON decoder stops at a nesting depth with RecursionError: a clear 400, and the
+    gateway serves the next request."""
+    async with gateways(nats_server.url) as start:
+        gw = await start(_one_token)
+        async with aiohttp.ClientSession() as http:
+            for strict in (True, False):
+                async with http.post(gw.base + "/v1/completions",
+                                     data=_nested_body(5000, strict), headers={
+                                         "Authorization": "Bearer sk-dev-alice",
+                                         "Content-Type": "application/json"}) as resp:
+                    reply = await resp.json()
+                    assert resp.status == 400, reply
+                    assert "too deeply" in reply["error"]["message"], reply
+        status, reply, _ = await gw.post({"prompt": "city", "max_tokens": 1,
+                                          "response_format": _format(True, OPEN)})
+        assert status == 200, reply
