@@ -64,6 +64,7 @@ BENCH = {
     "disagg": "pdmesh.loadtest.bench.disagg",
     "fairness": "pdmesh.loadtest.bench.fairness",
     "structured": "pdmesh.loadtest.bench.structured",
+    "structured-valid": "pdmesh.loadtest.bench.schemas",
     "llamacpp": "pdmesh.loadtest.bench.llamacpp",
     "serving": "pdmesh.loadtest.bench.serving",
 }
