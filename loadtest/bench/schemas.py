@@ -195,7 +195,10 @@ async def ask(session: aiohttp.ClientSession, endpoint: Endpoint, body: dict[str
 
 async def bench(endpoints: list[Endpoint], temperatures: list[float], n: int,
                 max_tokens: int, timeout_s: float, report: dict[str, object]) -> None:
-    async with aiohttp.ClientSession() as session:
+    # A connection per request: llama-server closes a streamed reply's connection, and a
+    # reused one then fails the next request before it is sent.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
         for endpoint in endpoints:
             tpot_constrained: list[float] = []
             for temperature in temperatures:
