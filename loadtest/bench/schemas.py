@@ -43,11 +43,13 @@ from pdmesh.loadtest.bench.llamacpp import (
     REFERENCE,
     Endpoint,
     Missing,
+    _on_sigterm,
     find_llama_server,
     server_version,
     start_llama_server,
 )
 from pdmesh.services.engine import checkpoint
+from pdmesh.services.engine.grammar import strict_schema
 
 N_SCHEMAS = 52
 LLAMA_ARGS = "-t 2 -c 8192 -np 1"
@@ -109,18 +111,6 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [_schema(random.Random(i), i)
                                              for i in range(N_SCHEMAS)]
 
 
-def closed(schema: Any) -> Any:
-    """`schema` with every object closed (what strict mode means), for validation."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if out.get("type") == "object" and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
 def check_reply(schema: dict[str, Any], text: str, finish_reason: str | None) -> str:
     """'' for a valid reply, else why not: `length`, `json`, `schema`."""
     import jsonschema
@@ -132,7 +122,8 @@ def check_reply(schema: dict[str, Any], text: str, finish_reason: str | None) ->
     except ValueError:
         return "json"
     try:
-        jsonschema.validate(value, closed(schema),
+        # Every object closed, as strict mode means it.
+        jsonschema.validate(value, strict_schema(schema),
                             cls=jsonschema.Draft202012Validator)
     except jsonschema.ValidationError:
         return "schema"
@@ -261,10 +252,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         parser.error("--temperatures: comma-separated numbers, e.g. 0,0.7")
     return args
-
-
-def _on_sigterm(_signum: int, _frame: object) -> None:
-    raise SystemExit(143)  # unwinds the with-blocks: every server is stopped
 
 
 def main(argv: list[str] | None = None) -> int:
