@@ -15,6 +15,11 @@ tiny model's) gets them in a system message that says how to call them.
   one call unless `parallel_tool_calls`; its arguments follow the function's `parameters`
   schema, so they always parse;
 * `none`: the tools are neither shown to the model nor parsed.
+
+A function with `strict: true` has its `parameters` read as OpenAI's strict mode reads a
+schema (grammar.strict_schema): every object closed, a keyword outside the strict subset a
+400 naming it; a forced call's arguments then carry no undeclared key. (`auto` replies are
+not constrained, strict or not: a call that does not parse stays text.)
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from pdmesh.services.engine.grammar import GrammarError, strict_schema
 from pdmesh.services.protocol import messages as m
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -97,8 +103,17 @@ def plan_of(tools: list[Any] | None, tool_choice: Any, parallel: bool | None
             raise ValueError(f"function name {f.name!r}: 1 to 64 of a-z, A-Z, 0-9, _ . -")
         if f.parameters is not None and not isinstance(f.parameters, dict):
             raise ValueError(f"function {f.name}: parameters must be a JSON schema object")
+        parameters = f.parameters
+        if f.strict:
+            try:
+                parameters = strict_schema(parameters if parameters is not None else {
+                    "type": "object", "properties": {}}, "parameters")
+            except GrammarError as exc:
+                raise ValueError(f"function {f.name}: {exc}") from None
+            except RecursionError:
+                raise ValueError(f"function {f.name}: parameters nest too deeply") from None
         functions.append({k: v for k, v in (("name", f.name), ("description", f.description),
-                                             ("parameters", f.parameters)) if v is not None})
+                                             ("parameters", parameters)) if v is not None})
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise ValueError("function names must be unique")

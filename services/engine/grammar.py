@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -51,6 +52,32 @@ STRICT_KEYWORDS = frozenset({
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",  # numbers
     "minItems", "maxItems",  # arrays
     "$schema", "$comment", "examples", "default"})  # annotations
+# Loops: a small model inside a constrained string or array can repeat the same tokens
+# (`"revised", "revised", ...`, `Lanpa-1.0.0/Lanpa-1.0.0/...`) until max_tokens: the grammar
+# holds it inside the string, where free text would have ended. Once the latest tokens
+# repeat a period of at most LOOP_MAX_PERIOD tokens over loop_span tokens or more, the
+# token that would continue the period is masked; a JSON reply then closes: from there on,
+# wherever the grammar allows a token that closes the open string (its closing quote) or
+# the open array or object (`]`, `}`), or ends the reply, only those may be sampled.
+LOOP_MAX_PERIOD = 16
+LOOP_SPAN_DEFAULT = 32  # PDMESH_STRUCTURED_LOOP_TOKENS; 0: no loop guard
+
+
+def loop_span_from_env() -> int:
+    """PDMESH_STRUCTURED_LOOP_TOKENS: tokens of an exact repetition before the loop guard
+    masks its continuation (0 turns the guard off); ValueError on a bad value."""
+    raw = os.environ.get("PDMESH_STRUCTURED_LOOP_TOKENS", "").strip()
+    if not raw:
+        return LOOP_SPAN_DEFAULT
+    try:
+        span = int(raw)
+    except ValueError:
+        raise ValueError(f"PDMESH_STRUCTURED_LOOP_TOKENS={raw!r}: a whole number of "
+                         "tokens (0: off)") from None
+    if span != 0 and not 2 * LOOP_MAX_PERIOD <= span <= 4096:
+        raise ValueError(f"PDMESH_STRUCTURED_LOOP_TOKENS={span}: 0 (off) or "
+                         f"{2 * LOOP_MAX_PERIOD}..4096")
+    return span
 
 
 class GrammarError(ValueError):
@@ -77,8 +104,10 @@ def grammar_text(structured: m.Structured) -> str:
             schema = json.loads(spec)
             if not isinstance(schema, dict):
                 raise GrammarError("a JSON schema must be an object")
-            return str(llg.LLMatcher.grammar_from_json_schema(bounded_numbers(schema),
-                                                              defaults=JSON_DEFAULTS))
+            # As JSON text: llguidance's conversion of a Python dict refuses integers of
+            # 2**64 and more (`"maximum": 1e20` written out), which JSON carries.
+            return str(llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(bounded_numbers(schema)), defaults=JSON_DEFAULTS))
         if kind == "choice":
             choices = json.loads(spec)
             if (not isinstance(choices, list) or not choices
@@ -180,12 +209,16 @@ def _numeric(schema: dict[str, Any], side: str) -> float | None:
 class Grammars:
     """llguidance's tokenizer for one model's vocabulary, and the requests' constraints."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None,
+                 loop_span: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size or tokenizer.vocab_size
+        # Every worker of a mesh must agree (a resumed request's masks are recomputed).
+        self.loop_span = loop_span_from_env() if loop_span is None else loop_span
         self.eos = sorted(tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._ll: Any = None
+        self._closers: _Closers | None = None
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -195,10 +228,19 @@ class Grammars:
                 self._ll = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos)
             return self._ll
 
+    @property
+    def closers(self) -> _Closers:
+        """The vocabulary's closing tokens (the loop guard's, built on first use)."""
+        ll = self.ll_tokenizer
+        with self._lock:
+            if self._closers is None:
+                self._closers = _Closers(ll, self.vocab_size, self.eos)
+            return self._closers
+
     def warm(self) -> None:
         """Build the vocabulary view now (a worker does at start, off its event loop, so
         that the first constrained request does not pay for it there)."""
-        _ = self.ll_tokenizer
+        _ = self.closers if self.loop_span else self.ll_tokenizer
 
     def check(self, structured: m.Structured) -> None:
         """Raise GrammarError when `structured` does not compile for this vocabulary."""
@@ -253,12 +295,54 @@ class _ByteVocab:
         return list(text if isinstance(text, bytes) else text.encode())
 
 
+class _Closers:
+    """Per token of the vocabulary: its bytes, and whether it only closes: a JSON string
+    (an unescaped `"` when appended inside one, followed by nothing but `]` and `}`), or
+    arrays and objects (nothing but `]` and `}`). A token that opens anything (`", "`,
+    `],`) is no closer. eos is both (it ends a complete reply)."""
+
+    def __init__(self, ll: Any, vocab_size: int, eos: list[int]) -> None:
+        self.bytes: list[bytes] = []
+        self.string = np.zeros(vocab_size, dtype=bool)
+        self.container = np.zeros(vocab_size, dtype=bool)
+        for t in range(vocab_size):
+            raw = b"" if t >= ll.vocab_size or ll.is_special_token(t) else ll.decode_bytes([t])
+            self.bytes.append(raw)
+            end = _string_end(raw, False)
+            self.string[t] = end >= 0 and not raw[end + 1:].strip(b"]}")
+            self.container[t] = bool(raw) and not raw.strip(b"]}")
+        self.string[eos] = self.container[eos] = True
+
+
+def _string_end(raw: bytes, escaped: bool) -> int:
+    """Index of the `"` that closes a JSON string in `raw` (read from inside the string,
+    after a backslash when `escaped`), or -1."""
+    for i, byte in enumerate(raw):
+        if escaped:
+            escaped = False
+        elif byte == 0x5C:  # backslash
+            escaped = True
+        elif byte == 0x22:  # quote
+            return i
+    return -1
+
+
 class Constraint:
     """One request's grammar state: the tokens it may sample next, and each it did."""
 
     def __init__(self, grammars: Grammars, grammar: str, kind: str = "grammar") -> None:
         self.vocab_size = grammars.vocab_size
         self.eos = grammars.eos
+        self.loop_span = grammars.loop_span
+        # Loop guard state: the last tokens, and per period p (1..LOOP_MAX_PERIOD) how many
+        # of the latest tokens equal the token p before them; for JSON, where the reply
+        # stands (inside a string, after a backslash) and whether it is closing.
+        self._tail: list[int] = []
+        self._runs = [0] * (LOOP_MAX_PERIOD + 1)
+        self.loops = 0  # tokens after which a loop's continuation was masked
+        self._closers = (grammars.closers if self.loop_span and kind == "json" else None)
+        self._in_string = self._escaped = False
+        self.closing = False
         self.matcher = _llg().LLMatcher(grammars.ll_tokenizer, grammar)
         if self.matcher.is_error():
             raise GrammarError(f"the {kind} spec does not compile: "
@@ -272,7 +356,24 @@ class Constraint:
         mask = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
         if not mask.any():
             mask[self.eos] = True
+        for token in self.loop_continuations():
+            if mask[token] and mask.sum() > 1:  # never mask the only way on
+                mask[token] = False
+        if self.closing and self._closers is not None and not self._escaped:
+            closers = self._closers.string if self._in_string else self._closers.container
+            closing = mask & closers
+            if closing.any():
+                mask = closing
         return mask
+
+    def loop_continuations(self) -> set[int]:
+        """The tokens that would extend an exact repetition of a period of at most
+        LOOP_MAX_PERIOD tokens that already covers loop_span tokens (empty: none)."""
+        if not self.loop_span:
+            return set()
+        tail = self._tail
+        return {tail[-p] for p in range(1, LOOP_MAX_PERIOD + 1)
+                if self._runs[p] + p >= self.loop_span}
 
     def advance(self, token: int) -> None:
         """The request generated `token`: GrammarError if the grammar did not allow it."""
@@ -281,6 +382,37 @@ class Constraint:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} is not allowed here: "
                                f"{self.matcher.get_error()}")
+        if self._closers is not None:
+            self._follow_json(self._closers.bytes[token] if token < self.vocab_size else b"")
+        if self.loop_span:
+            tail = self._tail
+            for p in range(1, LOOP_MAX_PERIOD + 1):
+                self._runs[p] = (self._runs[p] + 1
+                                 if len(tail) >= p and tail[-p] == token else 0)
+            tail.append(token)
+            if len(tail) > 2 * LOOP_MAX_PERIOD:
+                del tail[:LOOP_MAX_PERIOD]
+            if self.loop_continuations():  # set here, so that a replay restores it
+                self.loops += 1
+                self.closing = self._closers is not None
+
+    def _follow_json(self, raw: bytes) -> None:
+        """Whether the reply now stands inside a string (and after a backslash)."""
+        while raw:
+            if self._in_string:
+                end = _string_end(raw, self._escaped)
+                if end < 0:
+                    escaped = self._escaped
+                    for byte in raw:
+                        escaped = not escaped and byte == 0x5C
+                    self._escaped = escaped
+                    return
+                self._in_string, self._escaped, raw = False, False, raw[end + 1:]
+            else:
+                start = raw.find(b'"')
+                if start < 0:
+                    return
+                self._in_string, raw = True, raw[start + 1:]
 
     @property
     def complete(self) -> bool:

@@ -166,3 +166,12 @@ def test_no_whitespace_but_the_separators_can_be_sampled() -> None:
             assert not allowed[ord(" ")], text[:i]
         c.advance(byte)
     assert c.complete
+
+
+def test_integers_past_64_bits_in_a_schema_compile() -> None:
+    """JSON carries integers of any size; llguidance's reading of a Python dict refused
+    those of 2**64 and more, so a schema with one was a 400."""
+    big = 10 ** 20
+    assert _takes({"const": big}, str(big))
+    assert _takes({"enum": [1, big]}, str(big)) and _takes({"enum": [1, big]}, "1")
+    assert _takes({"type": "integer", "maximum": big}, "12")

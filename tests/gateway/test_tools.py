@@ -175,3 +175,50 @@ def test_forced_plan_is_an_array_of_the_functions_calls() -> None:
 
     one = [ToolDef(type="function", function=FunctionDef(name="f"))]
     assert plan_of(None, None, None) is None and plan_of(one, "none", None) is None
+
+
+def _defs(parameters: Any, strict: bool | None) -> list[Any]:
+    from pdmesh.gateway.schema import FunctionDef, ToolDef
+
+    return [ToolDef(type="function", function=FunctionDef(
+        name="f", parameters=parameters, strict=strict))]
+
+
+def _args_schema(plan: ToolPlan | None) -> dict:
+    assert plan is not None
+    return json.loads(plan.structured().spec)["items"]["properties"]["arguments"]
+
+
+def test_a_strict_function_closes_its_arguments() -> None:
+    """`strict: true` on a function: its arguments take no undeclared key (OpenAI's strict
+    mode), in nested objects too; without it JSON Schema's meaning stays."""
+    open_schema = {"type": "object", "properties": {
+        "city": {"type": "string"},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+        "required": ["city"]}
+    strict = _args_schema(plan_of(_defs(open_schema, True), "required", None))
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["where"]["additionalProperties"] is False
+    jsonschema.validate({"city": "x"}, strict)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"city": "x", "extra": 1}, strict)
+    loose = _args_schema(plan_of(_defs(open_schema, None), "required", None))
+    assert "additionalProperties" not in loose
+    assert open_schema == {"type": "object", "properties": {
+        "city": {"type": "string"},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}}},
+        "required": ["city"]}, "the request's schema is left as it came"
+    none = _args_schema(plan_of(_defs(None, True), "required", None))
+    assert none == {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("parameters,needle", [
+    ({"type": "object", "properties": {"a": {"type": "string", "contentEncoding": "x"}}},
+     "contentEncoding"),
+    ({"type": "object", "additionalProperties": True}, "additionalProperties false"),
+    ([], "JSON schema object")])
+def test_a_strict_function_outside_the_subset_is_refused(parameters: Any,
+                                                          needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as info:
+        plan_of(_defs(parameters, True), "auto", None)
+    assert "function f" in str(info.value)
