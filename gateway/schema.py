@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from pdmesh.services.engine.grammar import GrammarError, strict_schema
+from pdmesh.services.engine.grammar import ANY_JSON_OBJECT_SPEC, GrammarError, strict_schema
 from pdmesh.services.protocol import messages as m
 
 # The Retry-After of a 503 or 429 whose cause passes on its own and that names no wait of
@@ -452,7 +452,7 @@ def structured_of(body: _Common) -> m.Structured | None:
     if rf is not None:
         if rf.type == "json_object":
             found.append(("response_format", m.Structured(kind="json",
-                                                          spec='{"type": "object"}')))
+                                                          spec=ANY_JSON_OBJECT_SPEC)))
         elif rf.type == "json_schema":
             if rf.json_schema is None or not isinstance(rf.json_schema.schema, dict):
                 raise ApiError(400, "response_format json_schema needs json_schema.schema, "
@@ -478,7 +478,7 @@ def structured_of(body: _Common) -> m.Structured | None:
                                      ("choice", so.choice), ("grammar", so.grammar))
                  if v is not None]
         if so.json_object:
-            given.append(("json_object", '{"type": "object"}'))
+            given.append(("json_object", ANY_JSON_OBJECT_SPEC))
         if len(given) != 1:
             raise ApiError(400, "structured_outputs takes exactly one of json, regex, "
                            "choice, grammar, json_object", param="structured_outputs")

@@ -30,7 +30,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from pdmesh.services.engine.grammar import GrammarError, strict_schema
+from pdmesh.services.engine.grammar import ANY_JSON_OBJECT, GrammarError, strict_schema
 from pdmesh.services.protocol import messages as m
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -69,7 +69,7 @@ class ToolPlan:
             return None
         calls = [{"type": "object", "properties": {
             "name": {"const": f["name"]},
-            "arguments": f.get("parameters") or {"type": "object"}},
+            "arguments": f.get("parameters") or ANY_JSON_OBJECT},
             "required": ["name", "arguments"], "additionalProperties": False}
             for f in self.functions if self.mode != "named" or f["name"] == self.named]
         item = calls[0] if len(calls) == 1 else {"anyOf": calls}

@@ -41,6 +41,16 @@ JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ",
 # exponent (`1e5` is written `100000`).
 NUMBER_INTEGER_DIGITS = 15  # |value| <= 10**15 - 1: DBL_DIG, so a double holds it exactly
 NUMBER_FRACTION_DIGITS = 10  # multipleOf 1e-10: llguidance refuses 1e-11 (binary noise)
+# Any JSON object (`response_format: json_object`, a tool without parameters), spelled out
+# so that its values, at any depth, get the bounds above: JSON Schema's `{"type":
+# "object"}` leaves them untyped, and an untyped number has no bound.
+ANY_JSON_OBJECT: dict[str, Any] = {
+    "type": "object", "additionalProperties": {"$ref": "#/$defs/value"},
+    "$defs": {"value": {"anyOf": [
+        {"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
+        {"type": "array", "items": {"$ref": "#/$defs/value"}},
+        {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}}}
+ANY_JSON_OBJECT_SPEC = json.dumps(ANY_JSON_OBJECT, separators=(",", ":"))
 # Strict mode: OpenAI's documented keywords (structured outputs, "Supported schemas"), and
 # those the grammar also enforces exactly and that keep a small model's strings finite
 # (minLength, maxLength), and annotations with no meaning for validation. Any other keyword

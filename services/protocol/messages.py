@@ -151,7 +151,7 @@ FINISHED_LENGTH: Final = Outcome(code=Code.LENGTH)
 # Requests and tickets
 # ---------------------------------------------------------------------------------------
 # What a structured output may be constrained by (services/engine/grammar.py): a JSON
-# schema (`json`; any JSON object is the schema {"type": "object"}), a regular expression,
+# schema (`json`; any JSON object is grammar.ANY_JSON_OBJECT), a regular expression,
 # a JSON list of strings to choose from, or a Lark / GBNF grammar.
 STRUCTURED_KINDS: Final = ("json", "regex", "choice", "grammar")
 

@@ -400,6 +400,14 @@ SETTINGS: tuple[Setting, ...] = (
             "(the engine fingerprint says which). See services/engine/README.md \"Decode "
             "paths\".",
             choices=("on", "off"), read_by=("services/engine/native.py",)),
+    Setting("structured_loop_tokens", None, "PDMESH_STRUCTURED_LOOP_TOKENS", int, 32,
+            "Structured outputs' loop guard: once a constrained reply's latest tokens repeat "
+            "a period of at most 16 tokens over this many tokens, the token that would "
+            "continue it is masked and a JSON reply closes (only tokens that close the open "
+            "string, array or object, where the grammar allows one). 0: off; else 32..4096. "
+            "Set it alike on every worker (a resumed request's masks are recomputed). See "
+            "gateway/README.md, structured outputs.",
+            read_by=("services/engine/grammar.py",)),
     Setting("api_key", None, "PDMESH_API_KEY", str, "",
             "`pdmesh loadtest`: the API key sent when `--api-key` is not given (next: "
             "OPENAI_API_KEY).", read_by=("loadtest/cli.py",)),

@@ -175,3 +175,17 @@ def test_integers_past_64_bits_in_a_schema_compile() -> None:
     assert _takes({"const": big}, str(big))
     assert _takes({"enum": [1, big]}, str(big)) and _takes({"enum": [1, big]}, "1")
     assert _takes({"type": "integer", "maximum": big}, "12")
+
+
+def test_a_json_object_bounds_numbers_at_any_depth() -> None:
+    """`response_format: json_object` (ANY_JSON_OBJECT): any object, its values untyped in
+    JSON Schema's `{"type": "object"}`, so a number there had no bound."""
+    from pdmesh.services.engine.grammar import ANY_JSON_OBJECT
+
+    long = "3." + "1" * (NUMBER_FRACTION_DIGITS + 1)
+    assert _takes({"type": "object"}, '{"a": [{"b": %s}]}' % long), "the unbounded reading"
+    assert not _takes(ANY_JSON_OBJECT, '{"a": [{"b": %s}]}' % long)
+    assert not _takes(ANY_JSON_OBJECT, '{"a": 1e5}')
+    for text in ['{}', '{"a": [{"b": 3.5}, "x", null, true, []], "c": {"d": -2}}']:
+        assert _takes(ANY_JSON_OBJECT, text), text
+    assert not _takes(ANY_JSON_OBJECT, "[1]"), "an object, not any value"
