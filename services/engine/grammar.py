@@ -63,13 +63,15 @@ STRICT_KEYWORDS = frozenset({
     "minItems", "maxItems",  # arrays
     "$schema", "$comment", "examples", "default"})  # annotations
 # Loops: a small model inside a constrained string or array can repeat the same tokens
-# (`"revised", "revised", ...`, `Lanpa-1.0.0/Lanpa-1.0.0/...`) until max_tokens: the grammar
-# holds it inside the string, where free text would have ended. Once the latest tokens
-# repeat a period of at most LOOP_MAX_PERIOD tokens over loop_span tokens or more, the
-# token that would continue the period is masked; a JSON reply then closes: from there on,
-# wherever the grammar allows a token that closes the open string (its closing quote) or
-# the open array or object (`]`, `}`), or ends the reply, only those may be sampled.
-LOOP_MAX_PERIOD = 16
+# (`"revised", "revised", ...`, `Lanpa-1.0.0/Lanpa-1.0.0/...`, a sentence again and again)
+# until max_tokens: the grammar holds it inside the string, where free text would have
+# ended. Once the latest tokens repeat a period of p <= LOOP_MAX_PERIOD tokens over
+# max(loop_span, 2p) tokens (a long period must come round twice), the token that would
+# continue the period is masked; a JSON reply then closes: from there on, wherever the
+# grammar allows a token that only closes the open string (its closing quote) or the open
+# array or object (`]`, `}`), or ends the reply, only those may be sampled.
+LOOP_MAX_PERIOD = 64
+LOOP_SPAN_MIN = 32
 LOOP_SPAN_DEFAULT = 32  # PDMESH_STRUCTURED_LOOP_TOKENS; 0: no loop guard
 
 
@@ -84,9 +86,9 @@ def loop_span_from_env() -> int:
     except ValueError:
         raise ValueError(f"PDMESH_STRUCTURED_LOOP_TOKENS={raw!r}: a whole number of "
                          "tokens (0: off)") from None
-    if span != 0 and not 2 * LOOP_MAX_PERIOD <= span <= 4096:
+    if span != 0 and not LOOP_SPAN_MIN <= span <= 4096:
         raise ValueError(f"PDMESH_STRUCTURED_LOOP_TOKENS={span}: 0 (off) or "
-                         f"{2 * LOOP_MAX_PERIOD}..4096")
+                         f"{LOOP_SPAN_MIN}..4096")
     return span
 
 
@@ -349,6 +351,8 @@ class Constraint:
         # stands (inside a string, after a backslash) and whether it is closing.
         self._tail: list[int] = []
         self._runs = [0] * (LOOP_MAX_PERIOD + 1)
+        # The run a period p needs: the loop covers max(loop_span, 2p) tokens.
+        self._need = [max(self.loop_span, 2 * p) - p for p in range(LOOP_MAX_PERIOD + 1)]
         self.loops = 0  # tokens after which a loop's continuation was masked
         self._closers = (grammars.closers if self.loop_span and kind == "json" else None)
         self._in_string = self._escaped = False
@@ -377,13 +381,13 @@ class Constraint:
         return mask
 
     def loop_continuations(self) -> set[int]:
-        """The tokens that would extend an exact repetition of a period of at most
-        LOOP_MAX_PERIOD tokens that already covers loop_span tokens (empty: none)."""
+        """The tokens that would extend an exact repetition of a period p of at most
+        LOOP_MAX_PERIOD tokens that already covers max(loop_span, 2p) tokens (empty:
+        none)."""
         if not self.loop_span:
             return set()
-        tail = self._tail
-        return {tail[-p] for p in range(1, LOOP_MAX_PERIOD + 1)
-                if self._runs[p] + p >= self.loop_span}
+        tail, runs, need = self._tail, self._runs, self._need
+        return {tail[-p] for p in range(1, LOOP_MAX_PERIOD + 1) if runs[p] >= need[p]}
 
     def advance(self, token: int) -> None:
         """The request generated `token`: GrammarError if the grammar did not allow it."""

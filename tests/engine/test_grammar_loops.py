@@ -8,6 +8,7 @@ sampler applies."""
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
@@ -44,11 +45,15 @@ def _only(mask: Any) -> set[str]:
     return {chr(t) for t in range(256) if mask[t]}
 
 
-@pytest.mark.parametrize("period", [1, 2, 7, LOOP_MAX_PERIOD])
+@pytest.mark.parametrize("period", [1, 2, 7, 16, 40, LOOP_MAX_PERIOD])
 def test_a_loop_over_the_span_loses_its_continuation_and_the_json_closes(period: int) -> None:
-    unit = "abcdefghijklmnopqrstuvwxyz"[:period]
+    """A period p is a loop once it covers max(span, 2p) tokens: a short one over the
+    span, a long one (a sentence said again) once it has come round twice."""
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.,;"
+    unit = alphabet[:period]
     head = '{"tags": ["'
-    loop = (unit * (LOOP_SPAN_DEFAULT // period + 2))[:LOOP_SPAN_DEFAULT - 1]
+    covers = max(LOOP_SPAN_DEFAULT, 2 * period)
+    loop = (unit * (covers // period + 2))[:covers - 1]
     c = _fed(TAGS, head + loop)
     nxt = ord(loop[-period])
     assert len(_only(c.allowed())) > 90, "one token short of the span: anything goes"
@@ -104,7 +109,8 @@ def test_a_grammar_that_is_not_json_only_loses_the_continuation() -> None:
 
 
 def test_varied_text_and_short_repeats_are_untouched() -> None:
-    varied = '{"tags": ["' + "".join(chr(97 + (i * 7) % 26) for i in range(80))
+    rng = random.Random(7)
+    varied = '{"tags": ["' + "".join(rng.choice("abcdefghij") for _ in range(300))
     c = _fed(TAGS, varied)
     assert c.loops == 0
     short = _fed(TAGS, '{"tags": ["' + "ab" * 10)  # 20 tokens of a loop: under the span
