@@ -10,12 +10,15 @@ that do not say `additionalProperties`, free strings), at each temperature of
 valid when it ends by itself (`finish_reason: stop`), parses as JSON, validates against its
 schema (jsonschema, Draft 2020-12) and carries no key its schema does not declare (strict).
 
-Per server and temperature: `valid_rate_<server>_t<temperature>`, `length_<...>` (replies
-cut by `max_tokens`), and the time per output token of the constrained replies
-(`tpot_ms_<server>`, streamed: first to last text chunk over chunks - 1) beside the same
-prompts unconstrained (`tpot_ms_free_<server>`): `grammar_overhead_<server>` is their
-ratio less 1. One flat JSON object (the last stdout line with `--json`); validation needs
-`jsonschema` (the test extra).
+Per server and temperature: `valid_rate_<server>_t<temperature>`, `failures_<...>` by
+reason (`length`: cut by `max_tokens`). The grammar's cost per token: each constrained
+reply at temperature 0 is followed by the same prompt unconstrained with `ignore_eos` and
+`max_tokens` set to the constrained reply's token count, so that both generate as many
+tokens at the same positions, one after the other (load drifts hit both); the time per
+token of each (streamed: first to last text chunk over the usage's completion tokens less
+one) gives `tpot_ms_<server>` and `tpot_ms_free_<server>` (medians over the pairs), and
+`grammar_overhead_<server>` is the median of the pairs' ratios less 1. One flat JSON object
+(the last stdout line with `--json`); validation needs `jsonschema` (the test extra).
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def request_body(model: str, topic: str, schema: dict[str, Any], temperature: fl
     fields = ", ".join(schema["properties"])
     body: dict[str, Any] = {
         "model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-        "stream": True,
+        "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content":
                       f"Describe a {topic} as JSON with the fields {fields}."}]}
     if constrained:
@@ -150,8 +153,9 @@ class Answer:
     text: str
     finish_reason: str | None
     chunks: int
-    tpot_s: float | None  # first to last text chunk / (chunks - 1)
+    tpot_s: float | None  # first to last text chunk / (tokens - 1)
     error: str = ""
+    tokens: int = 0  # the usage's completion tokens (the text chunks where none came)
 
 
 async def ask(session: aiohttp.ClientSession, endpoint: Endpoint, body: dict[str, Any],
@@ -159,7 +163,7 @@ async def ask(session: aiohttp.ClientSession, endpoint: Endpoint, body: dict[str
     headers = {"Content-Type": "application/json"}
     if endpoint.api_key:
         headers["Authorization"] = f"Bearer {endpoint.api_key}"
-    text, finish, times = [], None, []
+    text, finish, times, tokens = [], None, [], 0
     try:
         async with session.post(endpoint.base_url + "/chat/completions", json=body,
                                 headers=headers,
@@ -178,10 +182,13 @@ async def ask(session: aiohttp.ClientSession, endpoint: Endpoint, body: dict[str
                         text.append(piece)
                         times.append(time.perf_counter())
                     finish = choice.get("finish_reason") or finish
+                usage = event.get("usage") or {}
+                tokens = int(usage.get("completion_tokens") or tokens)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         return Answer("".join(text), finish, len(times), None, f"{type(exc).__name__}: {exc}")
-    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-    return Answer("".join(text), finish, len(times), tpot)
+    tokens = tokens or len(times)
+    tpot = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
+    return Answer("".join(text), finish, len(times), tpot, tokens=tokens)
 
 
 async def bench(endpoints: list[Endpoint], temperatures: list[float], n: int,
@@ -191,7 +198,7 @@ async def bench(endpoints: list[Endpoint], temperatures: list[float], n: int,
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         for endpoint in endpoints:
-            tpot_constrained: list[float] = []
+            pairs: list[tuple[float, float]] = []  # (constrained, free) time per token
             for temperature in temperatures:
                 failures: dict[str, int] = {}
                 valid = 0
@@ -209,25 +216,26 @@ async def bench(endpoints: list[Endpoint], temperatures: list[float], n: int,
                                  "text": (answer.error or answer.text)[-160:]})
                     else:
                         valid += 1
-                    if answer.tpot_s is not None and answer.chunks >= 8:
-                        tpot_constrained.append(answer.tpot_s)
+                    if temperature == 0.0 and answer.tpot_s is not None and answer.tokens >= 8:
+                        free_body = request_body(endpoint.model, topic, schema, 0.0, 1000 + i,
+                                                 answer.tokens, False)
+                        free_body["ignore_eos"] = True
+                        free = await ask(session, endpoint, free_body, timeout_s)
+                        if free.tpot_s is not None and free.tokens == answer.tokens:
+                            pairs.append((answer.tpot_s, free.tpot_s))
                 key = f"{endpoint.label}_t{temperature:g}"
                 report[f"valid_rate_{key}"] = valid / n
                 report[f"failures_{key}"] = failures
                 print(f"pdmesh bench structured-valid: {key}: {valid}/{n} valid {failures}",
                       file=sys.stderr, flush=True)
-            free: list[float] = []
-            for i, (topic, schema) in enumerate(SCHEMAS[:n]):
-                answer = await ask(session, endpoint, request_body(
-                    endpoint.model, topic, schema, 0.0, 1000 + i, max_tokens, False), timeout_s)
-                if answer.tpot_s is not None and answer.chunks >= 8:
-                    free.append(answer.tpot_s)
-            if tpot_constrained and free:
-                constrained_ms = statistics.median(tpot_constrained) * 1000
-                free_ms = statistics.median(free) * 1000
-                report[f"tpot_ms_{endpoint.label}"] = constrained_ms
-                report[f"tpot_ms_free_{endpoint.label}"] = free_ms
-                report[f"grammar_overhead_{endpoint.label}"] = constrained_ms / free_ms - 1
+            if pairs:
+                report[f"tpot_ms_{endpoint.label}"] = statistics.median(
+                    c for c, _ in pairs) * 1000
+                report[f"tpot_ms_free_{endpoint.label}"] = statistics.median(
+                    f for _, f in pairs) * 1000
+                report[f"grammar_overhead_{endpoint.label}"] = statistics.median(
+                    c / f for c, f in pairs) - 1
+                report[f"overhead_pairs_{endpoint.label}"] = len(pairs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

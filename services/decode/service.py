@@ -184,6 +184,9 @@ class DecodeService(WorkerBase):
                                 registry=r)
         self.tokens_out = Counter("pdmesh:generated_tokens_total", "Tokens generated",
                                   registry=r)
+        self.structured_loops = Counter(
+            "pdmesh:structured_loops_total", "Constrained requests ended here whose loop "
+            "guard fired (services/engine/grammar.py)", registry=r)
         # What an autoscaler scales decode on (compose/helm: KEDA), beside
         # pdmesh:kv_cache_usage_perc: requests generating here, and those reserved here
         # whose prompt's KV has not arrived yet.
@@ -579,6 +582,9 @@ class DecodeService(WorkerBase):
         else:
             self.pool.release(lease, outcome.label)
         self.releases.labels(outcome.label).inc()
+        constraint = dreq.sampler.constraint
+        if constraint is not None and constraint.loops:
+            self.structured_loops.inc()
         if dreq.untold is not None and event is None:  # its last token before its end
             untold, dreq.untold = dreq.untold[0], None
             await self.tell(dreq, untold)

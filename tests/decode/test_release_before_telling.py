@@ -93,3 +93,36 @@ async def test_a_lease_whose_fence_cannot_finish_is_quarantined_not_reused(
     assert pages.isdisjoint(rest.page_ids)
     pool.release(rest, "stop")
     await decode.transport.close()
+
+
+async def test_a_request_whose_loop_guard_fired_is_counted(decode: DecodeService,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """`pdmesh:structured_loops_total`: one per constrained request ended here whose
+    reply repeated itself until the loop guard closed it; none for the others."""
+    import json
+
+    from prometheus_client import generate_latest
+
+    from pdmesh.services.engine.sampling import Sampler
+
+    monkeypatch.setattr(decode.rt, "publish", failing_publish)
+
+    def loops_total() -> float:
+        for line in generate_latest(decode.rt.registry).decode().splitlines():
+            if line.startswith("pdmesh:structured_loops_total "):
+                return float(line.split()[1])
+        raise AssertionError("no pdmesh:structured_loops_total")
+
+    structured = m.Structured(kind="json", spec=json.dumps(
+        {"type": "object", "properties": {"a": {"type": "string"}}}))
+    for rid, text, counted in (("plain", '{"a": "abc', 0.0), ("loop", '{"a": "' + "ab" * 20,
+                                                              1.0)):
+        reserve(decode, rid)
+        dreq = decode.requests[rid]
+        dreq.sampler = Sampler.for_request(
+            m.Sampling(structured=structured, prior_output_ids=list(text.encode())), 64,
+            decode.model.tokenizer.eos_token_ids, decode.grammars)
+        await decode.end(dreq, m.Outcome(code=m.Code.ABORTED, detail="test"))
+        assert loops_total() == counted, rid
+    await decode.transport.close()
