@@ -270,3 +270,41 @@ def test_tokens_per_second_with_and_without_a_schema(mesh: Mesh) -> None:
         if constraint is not None:
             jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), schema)
     print("\n" + "\n".join(lines))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index", [14, 42])
+def test_a_reply_that_loops_is_closed_as_the_oracle_closes_it(index: int, mesh: Mesh) -> None:
+    """Two of `pdmesh bench structured-valid`'s schemas on which SmolLM2 at temperature 0
+    repeats an item (`"tags": ["revised", "revised", ...`) until max_tokens: with the loop
+    guard the mesh's reply ends by itself as valid strict JSON, token for token what the
+    oracle writes (prefill's first token, decode's others: one guard state); the oracle
+    without the guard runs to max_tokens."""
+    from pdmesh.loadtest.bench.schemas import SCHEMAS, check_reply, request_body
+    from pdmesh.services.engine.grammar import Grammars, strict_schema
+
+    topic, schema = SCHEMAS[index]
+    body = request_body(MODEL, topic, schema, 0.0, 1000 + index, 256, True)
+    body.pop("stream_options")
+    body["stream"] = False
+    status, reply = mesh.http("POST", "/v1/chat/completions", body, key=KEY, timeout=300)
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    content = choice["message"]["content"]
+    assert check_reply(schema, content, choice["finish_reason"]) == "", content
+    ref = reference(MODEL)
+    ids = ref.prompt_ids(body["messages"][0]["content"], "chat")
+    # The constraint as the gateway builds it from a strict json_schema.
+    structured = m.Structured(kind="json", spec=json.dumps(
+        strict_schema(schema), separators=(",", ":"), ensure_ascii=False))
+    expected = ref.answer(ids, 256, m.Sampling(temperature=0.0, seed=1000 + index,
+                                               structured=structured))
+    assert (content, choice["finish_reason"]) == (expected.text, expected.finish_reason)
+    guarded = ref.grammars
+    try:
+        ref.grammars = Grammars(ref.tokenizer, guarded.vocab_size, loop_span=0)
+        unguarded = ref.answer(ids, 256, m.Sampling(temperature=0.0, seed=1000 + index,
+                                                    structured=structured))
+    finally:
+        ref.grammars = guarded
+    assert unguarded.finish_reason == "length", unguarded.text[-200:]
