@@ -38,3 +38,55 @@ def test_a_reply_is_valid_only_if_it_ends_parses_validates_and_adds_no_key() -> 
     assert check_reply(schema, '{"name": "x"}', "stop") == "schema"
     assert check_reply(schema, '{"name": "x", "price": 1, "extra": 2}', "stop") == "schema"
     assert "additionalProperties" not in schema  # checked closed, the schema untouched
+
+
+async def test_the_overhead_pairs_compare_equal_lengths() -> None:
+    """`bench` against a stand-in server on loopback: each constrained reply at t=0 is
+    followed by its prompt unconstrained with `ignore_eos` and the constrained reply's
+    token count (the usage's, not the text chunks'), and the overhead is the median of
+    the pairs' ratios."""
+    import asyncio
+
+    from aiohttp import web
+
+    from pdmesh.loadtest.bench.llamacpp import Endpoint
+    from pdmesh.loadtest.bench.schemas import bench
+
+    seen: list[dict] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        constrained = "response_format" in body
+        tokens = 12 if constrained else body["max_tokens"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        # Two tokens a chunk; a constrained token takes 2 ms, a free one 1 ms.
+        for _ in range(tokens // 2):
+            await asyncio.sleep(0.004 if constrained else 0.002)
+            await resp.write(b'data: {"choices": [{"delta": {"content": "ab"}}]}\n\n')
+        await resp.write(b'data: {"choices": [{"delta": {}, "finish_reason": "length"}], '
+                         b'"usage": {"completion_tokens": %d}}\n\n' % tokens)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    report: dict[str, object] = {}
+    try:
+        await bench([Endpoint("stand", f"http://127.0.0.1:{port}/v1", "m")], [0.0, 0.7], 3,
+                    256, 30.0, report)
+    finally:
+        await runner.cleanup()
+    free = [b for b in seen if "response_format" not in b]
+    assert len(free) == 3 and all(b["ignore_eos"] and b["max_tokens"] == 12 for b in free)
+    assert len(seen) == 3 * 2 + 3, "no free twin at t=0.7"
+    assert report["overhead_pairs_stand"] == 3
+    assert report["valid_rate_stand_t0"] == 0.0  # `length`: none valid
+    assert 0.5 < float(report["grammar_overhead_stand"]) < 2.0  # type: ignore[arg-type]
+    assert 1.0 < float(report["tpot_ms_stand"]) < 6.0  # type: ignore[arg-type]
