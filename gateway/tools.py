@@ -18,8 +18,12 @@ tiny model's) gets them in a system message that says how to call them.
 
 A function with `strict: true` has its `parameters` read as OpenAI's strict mode reads a
 schema (grammar.strict_schema): every object closed, a keyword outside the strict subset a
-400 naming it; a forced call's arguments then carry no undeclared key. (`auto` replies are
-not constrained, strict or not: a call that does not parse stays text.)
+400 naming it; a forced call's arguments then carry no undeclared key. With `auto` and at
+least one strict function, the reply is constrained too (`auto_grammar`, a Lark grammar):
+free text without `<tool_call>`, or free text and then `<tool_call>` blocks whose JSON is a
+call of a listed function with arguments that follow its schema (one block unless
+`parallel_tool_calls`), the reply ending after the last; so a call the model starts always
+parses, as OpenAI's strict function calling promises.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from pdmesh.services.engine.grammar import ANY_JSON_OBJECT, GrammarError, strict_schema
+from pdmesh.services.engine.grammar import (
+    ANY_JSON_DEFS,
+    ANY_JSON_OBJECT_REF,
+    JSON_DEFAULTS,
+    GrammarError,
+    bounded_numbers,
+    strict_schema,
+)
 from pdmesh.services.protocol import messages as m
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -58,30 +69,99 @@ class ToolPlan:
     mode: str
     named: str = ""
     parallel: bool = True
+    strict: bool = False  # a function says `strict: true`: `auto` replies are constrained
 
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
 
+    def _call_schema(self) -> dict[str, Any]:
+        """One call, `{"name": <a function's>, "arguments": <its parameters>}`, as a
+        document's root. Each function's parameters go into the root's `$defs` (as
+        `f<i>`, their own `$defs` as `f<i>_<name>`, every `$ref` in them rewritten to
+        match): a `$ref` points from the root of the document it is in, so a pydantic
+        model's `#/$defs/Inner`, embedded as it is, would point nowhere. A function
+        without parameters takes any JSON object."""
+        defs: dict[str, Any] = {}
+        calls = []
+        for i, f in enumerate(self.functions):
+            if self.mode == "named" and f["name"] != self.named:
+                continue
+            params = f.get("parameters")
+            if params:
+                params = dict(params)
+                for key in ("$defs", "definitions"):
+                    for name, sub in (params.pop(key, None) or {}).items():
+                        defs[f"f{i}_{name}"] = _rebased(sub, i)
+                defs[f"f{i}"] = _rebased(params, i)
+                arguments: dict[str, Any] = {"$ref": f"#/$defs/f{i}"}
+            else:
+                defs.update(ANY_JSON_DEFS)
+                arguments = ANY_JSON_OBJECT_REF
+            calls.append({"type": "object", "properties": {
+                "name": {"const": f["name"]}, "arguments": arguments},
+                "required": ["name", "arguments"], "additionalProperties": False})
+        root = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return {**root, "$defs": defs}
+
     def structured(self) -> m.Structured | None:
-        """The constraint of a forced call: a JSON array of calls (None for `auto`)."""
+        """The reply's constraint: a forced call's JSON array of calls, `auto_grammar` for
+        `auto` with a strict function, else None."""
         if not self.forced:
-            return None
-        calls = [{"type": "object", "properties": {
-            "name": {"const": f["name"]},
-            "arguments": f.get("parameters") or ANY_JSON_OBJECT},
-            "required": ["name", "arguments"], "additionalProperties": False}
-            for f in self.functions if self.mode != "named" or f["name"] == self.named]
-        item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+            return (m.Structured(kind="grammar", spec=self.auto_grammar()) if self.strict
+                    else None)
+        item = self._call_schema()
+        schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1,
+                                  "$defs": item.pop("$defs")}
         if not self.parallel:
             schema["maxItems"] = 1
         return m.Structured(kind="json", spec=json.dumps(schema))
+
+    def auto_grammar(self) -> str:
+        """Lark (llguidance's): free text that holds no `<tool_call>` (the reply ends in
+        text), or free text up to the first `<tool_call>` (lazy: it ends at the tag) and
+        then calls, each block's JSON one call (`%json`, its numbers bounded, the JSON
+        separators of every structured output), blocks apart by at most a newline."""
+        call = dict(bounded_numbers(self._call_schema()))
+        call["x-guidance"] = JSON_DEFAULTS
+        more = ' (SEP "<tool_call>" call_block)*' if self.parallel else ""
+        return "\n".join([
+            f"start: TEXT | pre call_block{more}",
+            "pre[lazy]: /(.|\\n)*<tool_call>/",
+            'call_block: SEP call SEP "</tool_call>"',
+            f"call: %json {json.dumps(call)}",
+            "SEP: /\\n?/",
+            "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/"]) + "\n"
 
     def system_text(self) -> str:
         listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in
                            self.functions)
         return SYSTEM_PROMPT.format(tools=listed)
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+
+
+def _rebased(schema: Any, i: int) -> Any:
+    """Function i's `schema` with each local `$ref` pointing where `_call_schema` moves
+    what it named: `#` to `#/$defs/f<i>`, `#/$defs/X` (or `#/definitions/X`) to
+    `#/$defs/f<i>_X`, any other `#/...` under `#/$defs/f<i>`."""
+    if isinstance(schema, list):
+        return [_rebased(sub, i) for sub in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: sub if key in _DATA_KEYWORDS else _rebased(sub, i)
+           for key, sub in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        path = ref[1:]
+        for key in ("/$defs/", "/definitions/"):
+            if path.startswith(key):
+                out["$ref"] = f"#/$defs/f{i}_{path[len(key):]}"
+                break
+        else:
+            out["$ref"] = f"#/$defs/f{i}{path}"
+    return out
 
 
 def plan_of(tools: list[Any] | None, tool_choice: Any, parallel: bool | None
@@ -118,17 +198,18 @@ def plan_of(tools: list[Any] | None, tool_choice: Any, parallel: bool | None
     if len(set(names)) != len(names):
         raise ValueError("function names must be unique")
     parallel = True if parallel is None else parallel
+    strict = any(t.function.strict for t in tools)
     if tool_choice in (None, "auto"):
-        return ToolPlan(functions, "auto", parallel=parallel)
+        return ToolPlan(functions, "auto", parallel=parallel, strict=strict)
     if tool_choice == "none":
         return None
     if tool_choice == "required":
-        return ToolPlan(functions, "required", parallel=parallel)
+        return ToolPlan(functions, "required", parallel=parallel, strict=strict)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if name not in names:
             raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-        return ToolPlan(functions, "named", named=name, parallel=False)
+        return ToolPlan(functions, "named", named=name, parallel=False, strict=strict)
     raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
                      "{'type': 'function', 'function': {'name': ...}}")
 

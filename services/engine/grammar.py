@@ -43,13 +43,16 @@ NUMBER_INTEGER_DIGITS = 15  # |value| <= 10**15 - 1: DBL_DIG, so a double holds 
 NUMBER_FRACTION_DIGITS = 10  # multipleOf 1e-10: llguidance refuses 1e-11 (binary noise)
 # Any JSON object (`response_format: json_object`, a tool without parameters), spelled out
 # so that its values, at any depth, get the bounds above: JSON Schema's `{"type":
-# "object"}` leaves them untyped, and an untyped number has no bound.
-ANY_JSON_OBJECT: dict[str, Any] = {
-    "type": "object", "additionalProperties": {"$ref": "#/$defs/value"},
-    "$defs": {"value": {"anyOf": [
-        {"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
-        {"type": "array", "items": {"$ref": "#/$defs/value"}},
-        {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}}}
+# "object"}` leaves them untyped, and an untyped number has no bound. Inside another schema
+# use ANY_JSON_OBJECT_REF and put ANY_JSON_DEFS in that schema's root `$defs` (a `$ref`
+# points from the root of the document it is in).
+_VALUE = "#/$defs/pdmesh_json_value"
+ANY_JSON_DEFS: dict[str, Any] = {"pdmesh_json_value": {"anyOf": [
+    {"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
+    {"type": "array", "items": {"$ref": _VALUE}},
+    {"type": "object", "additionalProperties": {"$ref": _VALUE}}]}}
+ANY_JSON_OBJECT_REF: dict[str, Any] = {"type": "object", "additionalProperties": {"$ref": _VALUE}}
+ANY_JSON_OBJECT: dict[str, Any] = {**ANY_JSON_OBJECT_REF, "$defs": ANY_JSON_DEFS}
 ANY_JSON_OBJECT_SPEC = json.dumps(ANY_JSON_OBJECT, separators=(",", ":"))
 # Strict mode: OpenAI's documented keywords (structured outputs, "Supported schemas"), and
 # those the grammar also enforces exactly and that keep a small model's strings finite
@@ -62,12 +65,12 @@ STRICT_KEYWORDS = frozenset({
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",  # numbers
     "minItems", "maxItems",  # arrays
     "$schema", "$comment", "examples", "default"})  # annotations
-# Loops: a small model inside a constrained string or array can repeat the same tokens
+# Loops: a small model inside a JSON string or array can repeat the same tokens
 # (`"revised", "revised", ...`, `Lanpa-1.0.0/Lanpa-1.0.0/...`, a sentence again and again)
 # until max_tokens: the grammar holds it inside the string, where free text would have
 # ended. Once the latest tokens repeat a period of p <= LOOP_MAX_PERIOD tokens over
 # max(loop_span, 2p) tokens (a long period must come round twice), the token that would
-# continue the period is masked; a JSON reply then closes: from there on, wherever the
+# continue the period is masked, and the reply closes: from there on, wherever the
 # grammar allows a token that only closes the open string (its closing quote) or the open
 # array or object (`]`, `}`), or ends the reply, only those may be sampled.
 LOOP_MAX_PERIOD = 64
@@ -345,7 +348,9 @@ class Constraint:
     def __init__(self, grammars: Grammars, grammar: str, kind: str = "grammar") -> None:
         self.vocab_size = grammars.vocab_size
         self.eos = grammars.eos
-        self.loop_span = grammars.loop_span
+        # The loop guard holds JSON only: a regex or a grammar (free text in it too, as in
+        # a tool-calling reply) is sampled as its author wrote it.
+        self.loop_span = grammars.loop_span if kind == "json" else 0
         # Loop guard state: the last tokens, and per period p (1..LOOP_MAX_PERIOD) how many
         # of the latest tokens equal the token p before them; for JSON, where the reply
         # stands (inside a string, after a backslash) and whether it is closing.
@@ -354,7 +359,7 @@ class Constraint:
         # The run a period p needs: the loop covers max(loop_span, 2p) tokens.
         self._need = [max(self.loop_span, 2 * p) - p for p in range(LOOP_MAX_PERIOD + 1)]
         self.loops = 0  # tokens after which a loop's continuation was masked
-        self._closers = (grammars.closers if self.loop_span and kind == "json" else None)
+        self._closers = grammars.closers if self.loop_span else None
         self._in_string = self._escaped = False
         self.closing = False
         self.matcher = _llg().LLMatcher(grammars.ll_tokenizer, grammar)

@@ -401,9 +401,9 @@ SETTINGS: tuple[Setting, ...] = (
             "paths\".",
             choices=("on", "off"), read_by=("services/engine/native.py",)),
     Setting("structured_loop_tokens", None, "PDMESH_STRUCTURED_LOOP_TOKENS", int, 32,
-            "Structured outputs' loop guard: once a constrained reply's latest tokens repeat "
-            "a period of at most 16 tokens over this many tokens, the token that would "
-            "continue it is masked and a JSON reply closes (only tokens that close the open "
+            "Structured outputs' loop guard: once a JSON reply's latest tokens repeat a "
+            "period of p <= 64 tokens over max(this, 2p) tokens, the token that would "
+            "continue it is masked and the reply closes (only tokens that close the open "
             "string, array or object, where the grammar allows one). 0: off; else 32..4096. "
             "Set it alike on every worker (a resumed request's masks are recomputed). See "
             "gateway/README.md, structured outputs.",

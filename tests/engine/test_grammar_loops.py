@@ -100,12 +100,16 @@ def test_closing_fills_what_the_schema_still_requires() -> None:
     assert json.loads('{"a": "' + "ab" * 16 + out.decode()) == {"a": "ab" * 16, "b": ""}
 
 
-def test_a_grammar_that_is_not_json_only_loses_the_continuation() -> None:
-    c = Grammars(TOK).constraint(m.Structured(kind="regex", spec="[ab]+c"))
-    for byte in b"ab" * 16:
+@pytest.mark.parametrize("kind,spec", [("regex", "[ab]+c"),
+                                       ("grammar", 'start: /[ab]+/ "c"')])
+def test_a_regex_or_a_grammar_is_left_as_its_author_wrote_it(kind: str, spec: str) -> None:
+    """Free text under a regex or a Lark grammar (a tool-calling reply's among them) is
+    not JSON: the guard neither masks its repetitions nor closes it."""
+    c = Grammars(TOK).constraint(m.Structured(kind=kind, spec=spec))
+    for byte in b"ab" * 40:
         c.advance(byte)
-    assert _only(c.allowed()) == {"b", "c"}, "the continuation `a` masked, nothing closed"
-    assert not c.closing
+    assert _only(c.allowed()) == {"a", "b", "c"}
+    assert not c.closing and c.loops == 0
 
 
 def test_varied_text_and_short_repeats_are_untouched() -> None:

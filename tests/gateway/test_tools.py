@@ -169,7 +169,8 @@ def test_forced_plan_is_an_array_of_the_functions_calls() -> None:
     named = json.loads(_plan({"type": "function",
                               "function": {"name": "get_weather"}}).structured().spec)
     assert named["items"]["properties"]["name"] == {"const": "get_weather"}
-    assert named["items"]["properties"]["arguments"] == WEATHER
+    assert named["items"]["properties"]["arguments"] == {"$ref": "#/$defs/f0"}
+    assert named["$defs"] == {"f0": WEATHER}
     assert _plan("auto").structured() is None
     from pdmesh.gateway.schema import FunctionDef, ToolDef
 
@@ -185,8 +186,11 @@ def _defs(parameters: Any, strict: bool | None) -> list[Any]:
 
 
 def _args_schema(plan: ToolPlan | None) -> dict:
+    """The first function's arguments schema in a forced plan's constraint."""
     assert plan is not None
-    return json.loads(plan.structured().spec)["items"]["properties"]["arguments"]
+    spec = json.loads(plan.structured().spec)
+    ref = spec["items"]["properties"]["arguments"]
+    return spec["$defs"][ref["$ref"].rsplit("/", 1)[1]] if "$ref" in ref else ref
 
 
 def test_a_strict_function_closes_its_arguments() -> None:
@@ -222,3 +226,142 @@ def test_a_strict_function_outside_the_subset_is_refused(parameters: Any,
     with pytest.raises(ValueError, match=needle) as info:
         plan_of(_defs(parameters, True), "auto", None)
     assert "function f" in str(info.value)
+
+
+def _auto_takes(plan: ToolPlan, text: str) -> bool:
+    """Whether `plan`'s constraint lets the whole reply `text` be sampled and end there."""
+    from pdmesh.services.engine.grammar import Grammars
+    from pdmesh.services.engine.tokenizer import ByteTokenizer
+
+    structured = plan.structured()
+    assert structured is not None and structured.kind == "grammar"
+    c = Grammars(ByteTokenizer()).constraint(structured)
+    for byte in text.encode():
+        if not c.allowed()[byte]:
+            return False
+        c.advance(byte)
+    return c.complete
+
+
+def _strict_auto(parallel: bool | None = None) -> ToolPlan:
+    from pdmesh.gateway.schema import FunctionDef, ToolDef
+
+    city = {"type": "object", "properties": {"city": {"type": "string"},
+                                             "days": {"type": "integer"}},
+            "required": ["city"]}
+    plan = plan_of([ToolDef(type="function", function=FunctionDef(
+                        name="get_weather", parameters=city, strict=True)),
+                    ToolDef(type="function", function=FunctionDef(name="get_time"))],
+                   "auto", parallel)
+    assert plan is not None
+    return plan
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text,takes", [
+    ("It is sunny in Paris.", True),  # text alone
+    ("", True),
+    (CALL, True),
+    ("Let me look.\n" + CALL, True),  # text, then the call
+    ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', True),  # no newlines
+    (CALL.replace('"Paris"}', '"Paris", "unit": "C"}'), False),  # strict: undeclared key
+    (CALL.replace('"Paris"', "3"), False),  # not its schema
+    (CALL.replace("get_weather", "delete_all"), False),  # a function not listed
+    (CALL.replace('"Paris"}}', '"Paris"}'), False),  # a call that does not parse
+    (CALL.replace('{"city": "Paris"}', '{"city": "Paris", "days": 1.' + "5" * 20 + "}"),
+     False),
+    (CALL + "\nDone.", False),  # the reply ends with its calls
+    (CALL + "\n" + CALL, True),  # parallel calls (the default)
+])
+def test_auto_with_a_strict_function_constrains_the_calls_not_the_text(text: str,
+                                                                       takes: bool) -> None:
+    assert _auto_takes(_strict_auto(), text) is takes
+
+
+def test_auto_strict_without_parallel_calls_takes_one_block() -> None:
+    plan = _strict_auto(parallel=False)
+    assert _auto_takes(plan, CALL)
+    assert not _auto_takes(plan, CALL + "\n" + CALL)
+
+
+def test_auto_without_a_strict_function_is_unconstrained() -> None:
+    assert _plan("auto").structured() is None
+    assert not _plan("auto").strict
+
+
+def _takes(structured: m.Structured, text: str) -> bool:
+    from pdmesh.services.engine.grammar import Grammars
+    from pdmesh.services.engine.tokenizer import ByteTokenizer
+
+    c = Grammars(ByteTokenizer()).constraint(structured)
+    for byte in text.encode():
+        if not c.allowed()[byte]:
+            return False
+        c.advance(byte)
+    return c.complete
+
+
+def test_parameters_with_their_own_defs_and_a_function_without_any_compile() -> None:
+    """A pydantic model's parameters point into their own `$defs` (`#/$defs/Address`),
+    and two functions may both name one `Address`; a `$ref` points from the root of the
+    document it is in, so each function's `$defs` move to the constraint's root under its
+    own names. A function without parameters takes any JSON object."""
+    from pdmesh.gateway.schema import FunctionDef, ToolDef
+
+    def nested(field: str) -> dict:
+        return {"type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+                "required": ["to"], "$defs": {"Address": {
+                    "type": "object", "properties": {field: {"type": "string"}},
+                    "required": [field], "additionalProperties": False}}}
+
+    tools = [ToolDef(type="function", function=FunctionDef(name="ship", parameters=nested(
+                 "city"), strict=True)),
+             ToolDef(type="function", function=FunctionDef(name="mail", parameters=nested(
+                 "street"))),
+             ToolDef(type="function", function=FunctionDef(name="ping"))]
+    for choice in ("required", "auto"):
+        plan = plan_of(tools, choice, None)
+        assert plan is not None
+        structured = plan.structured()
+        assert structured is not None
+        ship = '{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}'
+        mail = '{"name": "mail", "arguments": {"to": {"street": "Main"}}}'
+        ping = '{"name": "ping", "arguments": {"n": [1, {"x": null}]}}'
+        crossed = '{"name": "ship", "arguments": {"to": {"street": "Main"}}}'
+        wrap = ((lambda call: f"[{call}]") if choice == "required"
+                else (lambda call: f"<tool_call>{call}</tool_call>"))
+        for call, takes in ((ship, True), (mail, True), (ping, True), (crossed, False)):
+            assert _takes(structured, wrap(call)) is takes, (choice, call)
+
+
+@pytest.mark.mesh
+def test_auto_with_a_strict_function_is_served_under_its_grammar(live_mesh: Mesh) -> None:
+    """Through the mesh: the gateway compiles an `auto` plan's grammar when a function is
+    strict (one that does not compile is a 400 naming `tools`, before anything is sent),
+    and the reply is the oracle's under that grammar, token for token."""
+    strict_tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}},
+                    TOOLS[1]]
+    bad = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}}}]
+    status, body = live_mesh.http("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": MESSAGES, "tools": bad, "max_tokens": 20})
+    assert status == 400 and body["error"]["param"] == "tools", body
+    with _client(live_mesh) as client:
+        reply = client.chat.completions.create(model="tiny", messages=MESSAGES,
+                                               tools=strict_tools, temperature=0.8, seed=11,
+                                               max_tokens=120)
+    from pdmesh.gateway.schema import FunctionDef, ToolDef
+
+    plan = plan_of([ToolDef(type=t["type"], function=FunctionDef(**t["function"]))
+                    for t in strict_tools], "auto", None)
+    assert plan is not None and plan.strict
+    ref = reference("tiny")
+    ids = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(
+        render_messages(MESSAGES, plan, False)))
+    expected = ref.answer(ids, 120, m.Sampling(temperature=0.8, seed=11,
+                                               structured=plan.structured()))
+    content, calls = parse_reply(expected.text, plan)
+    assert reply.choices[0].message.content == content
+    assert len(reply.choices[0].message.tool_calls or []) == len(calls)
