@@ -35,6 +35,7 @@ from pdmesh.gateway.mesh import (
 from pdmesh.gateway.metrics import GatewayMetrics
 from pdmesh.gateway.schema import (
     RETRY_AFTER_S,
+    TOO_DEEP,
     ApiError,
     ChatBody,
     CompletionBody,
@@ -476,7 +477,12 @@ class Gateway:
         """The request's structured-output constraint (or a required tool call's), compiled
         once here (off the event loop: the grammar engine's vocabulary is built on the
         first) so that a grammar that does not compile is a 400 before anything is sent."""
-        structured = structured_of(body) or (tools.structured() if tools else None)
+        structured = structured_of(body)
+        if structured is None and tools is not None:
+            try:
+                structured = tools.structured()
+            except RecursionError:  # deeply nested parameters: the body's fault
+                raise ApiError(400, TOO_DEEP, param="tools") from None
         if structured is not None:
             try:
                 await asyncio.to_thread(self.grammars.check, structured)

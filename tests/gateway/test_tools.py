@@ -365,3 +365,18 @@ def test_auto_with_a_strict_function_is_served_under_its_grammar(live_mesh: Mesh
     content, calls = parse_reply(expected.text, plan)
     assert reply.choices[0].message.content == content
     assert len(reply.choices[0].message.tool_calls or []) == len(calls)
+
+
+@pytest.mark.mesh
+def test_parameters_nested_too_deeply_are_a_400(live_mesh: Mesh) -> None:
+    """Parameters that parse but nest deeper than the constraint can be built: a 400
+    naming `tools`, not a 500."""
+    params: dict = {"type": "object"}
+    for _ in range(900):
+        params = {"type": "array", "items": params}
+    status, body = live_mesh.http("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": MESSAGES, "tool_choice": "required", "max_tokens": 5,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]})
+    assert status == 400 and body["error"]["param"] == "tools", body
+    status, _ = live_mesh.http("GET", "/health")
+    assert status == 200
