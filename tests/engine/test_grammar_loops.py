@@ -214,3 +214,12 @@ def test_only_tokens_that_close_and_open_nothing_are_closers() -> None:
         b'"', b'"]', b'"]}', b'ab"', b'\\\\"', b""]
     assert [vocab[t] for t in range(len(vocab)) if closers.container[t]] == [
         b"]", b"]}", b""]
+
+
+def test_where_nothing_can_close_the_loop_only_loses_its_continuation() -> None:
+    """Right after `, ` in an array a value must come (no `]`): the loop's next token is
+    masked and the grammar's other ways stay open."""
+    c = _fed({"type": "array", "items": {"type": "integer"}}, "[" + "1, " * 11, span=33)
+    assert c.closing
+    allowed = _only(c.allowed())
+    assert "1" not in allowed and {"2", "9", "-"} <= allowed and "]" not in allowed
