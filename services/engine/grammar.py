@@ -358,6 +358,7 @@ class Constraint:
         self._runs = [0] * (LOOP_MAX_PERIOD + 1)
         # The run a period p needs: the loop covers max(loop_span, 2p) tokens.
         self._need = [max(self.loop_span, 2 * p) - p for p in range(LOOP_MAX_PERIOD + 1)]
+        self._continuations: set[int] = set()  # what allowed() masks now
         self.loops = 0  # tokens after which a loop's continuation was masked
         self._closers = grammars.closers if self.loop_span else None
         self._in_string = self._escaped = False
@@ -375,7 +376,7 @@ class Constraint:
         mask = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
         if not mask.any():
             mask[self.eos] = True
-        for token in self.loop_continuations():
+        for token in self._continuations:
             if mask[token] and mask.sum() > 1:  # never mask the only way on
                 mask[token] = False
         if self.closing and self._closers is not None and not self._escaped:
@@ -385,12 +386,10 @@ class Constraint:
                 mask = closing
         return mask
 
-    def loop_continuations(self) -> set[int]:
+    def _loop_continuations(self) -> set[int]:
         """The tokens that would extend an exact repetition of a period p of at most
         LOOP_MAX_PERIOD tokens that already covers max(loop_span, 2p) tokens (empty:
         none)."""
-        if not self.loop_span:
-            return set()
         tail, runs, need = self._tail, self._runs, self._need
         return {tail[-p] for p in range(1, LOOP_MAX_PERIOD + 1) if runs[p] >= need[p]}
 
@@ -411,7 +410,10 @@ class Constraint:
             tail.append(token)
             if len(tail) > 2 * LOOP_MAX_PERIOD:
                 del tail[:LOOP_MAX_PERIOD]
-            if self.loop_continuations():  # set here, so that a replay restores it
+            # Set here, once a token, so that a replay restores it and allowed() (called
+            # again for the same position) only reads it.
+            self._continuations = self._loop_continuations()
+            if self._continuations:
                 self.loops += 1
                 self.closing = self._closers is not None
 

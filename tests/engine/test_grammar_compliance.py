@@ -28,6 +28,7 @@ import pytest
 from pdmesh.services.engine.grammar import GrammarError, Grammars, grammar_text
 from pdmesh.services.engine.tokenizer import ByteTokenizer
 from pdmesh.services.protocol import messages as m
+from tests.support.grammar import takes
 
 DATA = json.loads((Path(__file__).parent / "data" / "jsonschema_suite" / "cases.json")
                   .read_text(encoding="utf-8"))
@@ -112,15 +113,6 @@ def text_of(schema: Any, data: Any) -> str:
                       ensure_ascii=False)
 
 
-def _takes(c: Any, text: str) -> bool:
-    """Whether the constraint lets the whole of `text` be sampled and the JSON end there."""
-    for byte in text.encode():
-        if not c.allowed()[byte]:
-            return False
-        c.advance(byte)
-    return c.complete
-
-
 @functools.cache
 def accepted() -> dict[Key, bool]:
     """Whether the grammar takes each instance, through a fresh constraint each as a request
@@ -129,7 +121,7 @@ def accepted() -> dict[Key, bool]:
     for case in DATA["cases"]:
         structured = m.Structured(kind="json", spec=json.dumps(case["schema"]))
         for test in case["tests"]:
-            out[case["file"], case["case"], test["test"]] = _takes(
+            out[case["file"], case["case"], test["test"]] = takes(
                 GRAMMARS.constraint(structured), text_of(case["schema"], test["data"]))
     return out
 

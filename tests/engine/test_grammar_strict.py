@@ -22,6 +22,7 @@ from pdmesh.services.engine.grammar import (
 )
 from pdmesh.services.engine.tokenizer import ByteTokenizer
 from pdmesh.services.protocol import messages as m
+from tests.support.grammar import takes
 
 TOK = ByteTokenizer()
 GRAMMARS = Grammars(TOK)
@@ -29,13 +30,8 @@ OPEN_OBJECT = {"type": "object", "properties": {"a": {"type": "string"}}, "requi
 
 
 def _takes(schema: dict[str, Any], text: str) -> bool:
-    """Whether the constraint lets the whole of `text` be sampled and the JSON end there."""
-    c = GRAMMARS.constraint(m.Structured(kind="json", spec=json.dumps(schema)))
-    for byte in text.encode():
-        if not c.allowed()[byte]:
-            return False
-        c.advance(byte)
-    return c.complete
+    """Whether the schema's constraint lets the whole of `text` be sampled and end there."""
+    return takes(GRAMMARS.constraint(m.Structured(kind="json", spec=json.dumps(schema))), text)
 
 
 # -- strict mode ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 from pdmesh.gateway.tools import ToolPlan, ToolStream, parse_reply, plan_of, render_messages
 from pdmesh.services.engine.oracle import reference
 from pdmesh.services.protocol import messages as m
+from tests.support.grammar import takes
 from tests.support.meshproc import Mesh
 
 WEATHER = {"type": "object", "properties": {
@@ -230,17 +231,9 @@ def test_a_strict_function_outside_the_subset_is_refused(parameters: Any,
 
 def _auto_takes(plan: ToolPlan, text: str) -> bool:
     """Whether `plan`'s constraint lets the whole reply `text` be sampled and end there."""
-    from pdmesh.services.engine.grammar import Grammars
-    from pdmesh.services.engine.tokenizer import ByteTokenizer
-
     structured = plan.structured()
     assert structured is not None and structured.kind == "grammar"
-    c = Grammars(ByteTokenizer()).constraint(structured)
-    for byte in text.encode():
-        if not c.allowed()[byte]:
-            return False
-        c.advance(byte)
-    return c.complete
+    return takes(structured, text)
 
 
 def _strict_auto(parallel: bool | None = None) -> ToolPlan:
@@ -260,7 +253,7 @@ def _strict_auto(parallel: bool | None = None) -> ToolPlan:
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-@pytest.mark.parametrize("text,takes", [
+@pytest.mark.parametrize("text,accepted", [
     ("It is sunny in Paris.", True),  # text alone
     ("", True),
     (CALL, True),
@@ -275,9 +268,9 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
     (CALL + "\nDone.", False),  # the reply ends with its calls
     (CALL + "\n" + CALL, True),  # parallel calls (the default)
 ])
-def test_auto_with_a_strict_function_constrains_the_calls_not_the_text(text: str,
-                                                                       takes: bool) -> None:
-    assert _auto_takes(_strict_auto(), text) is takes
+def test_auto_with_a_strict_function_constrains_the_calls_not_the_text(
+        text: str, accepted: bool) -> None:
+    assert _auto_takes(_strict_auto(), text) is accepted
 
 
 def test_auto_strict_without_parallel_calls_takes_one_block() -> None:
@@ -289,18 +282,6 @@ def test_auto_strict_without_parallel_calls_takes_one_block() -> None:
 def test_auto_without_a_strict_function_is_unconstrained() -> None:
     assert _plan("auto").structured() is None
     assert not _plan("auto").strict
-
-
-def _takes(structured: m.Structured, text: str) -> bool:
-    from pdmesh.services.engine.grammar import Grammars
-    from pdmesh.services.engine.tokenizer import ByteTokenizer
-
-    c = Grammars(ByteTokenizer()).constraint(structured)
-    for byte in text.encode():
-        if not c.allowed()[byte]:
-            return False
-        c.advance(byte)
-    return c.complete
 
 
 def test_parameters_with_their_own_defs_and_a_function_without_any_compile() -> None:
@@ -332,8 +313,8 @@ def test_parameters_with_their_own_defs_and_a_function_without_any_compile() -> 
         crossed = '{"name": "ship", "arguments": {"to": {"street": "Main"}}}'
         wrap = ((lambda call: f"[{call}]") if choice == "required"
                 else (lambda call: f"<tool_call>{call}</tool_call>"))
-        for call, takes in ((ship, True), (mail, True), (ping, True), (crossed, False)):
-            assert _takes(structured, wrap(call)) is takes, (choice, call)
+        for call, accepted in ((ship, True), (mail, True), (ping, True), (crossed, False)):
+            assert takes(structured, wrap(call)) is accepted, (choice, call)
 
 
 @pytest.mark.mesh
